@@ -1,0 +1,87 @@
+"""Attention over block tables for a batch that mixes prefill chunks and decode rows.
+
+The batch is *flattened*: every scheduled token of every sequence is one row of q/k/v ([num_tokens, heads,
+head_dim]); nothing is padded to the longest sequence. Two kinds of work come out of one step:
+
+- A prefill chunk (or a lone decode row) attends on its own: its keys are its new rows when it starts at
+  position 0, otherwise its blocks gathered from the cache.
+- Decode rows (one query each) run together, grouped by context length so each group pads only to its
+  own longest row (at most `DECODE_GROUP_SLACK` x the shortest): one gather and one SDPA call per group
+  instead of one per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# a decode group's longest context may be at most this many times its shortest (bounded padding)
+DECODE_GROUP_SLACK = 1.25
+
+
+@dataclass
+class SeqAttention:
+    """One sequence attended alone."""
+
+    q_start: int
+    q_len: int
+    fresh: bool  # starts at position 0: attend causally over its own new k/v, no cache read
+    block_table: torch.Tensor | None = None  # [num_blocks_needed] when not fresh
+    ctx_len: int = 0
+    mask: torch.Tensor | None = None  # [q_len, ctx_len] bool, True = attend; None when q_len == 1
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows of similar context length attended in one call."""
+
+    rows: torch.Tensor  # [B] positions of the rows in the flattened batch
+    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot (block * block_size + offset) of each new row
+    seqs: list[SeqAttention]
+    decode_groups: list[DecodeGroup]
+    num_tokens: int
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, d]; k, v: [T, kv_heads, d]; k_cache, v_cache: [num_blocks, block_size, kv_heads, d].
+    Writes the new k/v into their slots, then returns the attention output [T, heads, d]."""
+    kvh, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+
+    if len(meta.seqs) == 1 and not meta.decode_groups:
+        return _attend_seq(q, k, v, k_cache, v_cache, meta.seqs[0], scale)
+    out = torch.empty_like(q)
+    for s in meta.seqs:
+        out[s.q_start:s.q_start + s.q_len] = _attend_seq(q, k, v, k_cache, v_cache, s, scale)
+    for g in meta.decode_groups:
+        qg = q[g.rows].unsqueeze(2)  # [B, heads, 1, d]
+        kg = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, d]
+        vg = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.rows] = o.squeeze(2)
+    return out
+
+
+def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, s: SeqAttention, scale: float) -> torch.Tensor:
+    end = s.q_start + s.q_len
+    qs = q[s.q_start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+    if s.fresh:
+        ks = k[s.q_start:end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q_len, d]
+        vs = v[s.q_start:end].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=s.q_len > 1, scale=scale, enable_gqa=True)
+    else:
+        ks = k_cache[s.block_table].flatten(0, 1)[:s.ctx_len].transpose(0, 1).unsqueeze(0)
+        vs = v_cache[s.block_table].flatten(0, 1)[:s.ctx_len].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)  # [q_len, heads, d]

@@ -1,0 +1,186 @@
+"""Configuration: one frozen dataclass per component, validated where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # < num_heads means grouped-query attention
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF's rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        per_layer = (self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+                     + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size)
+        embed = self.vocab_size * self.hidden_size
+        return self.num_layers * per_layer + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """From an HF `config.json` dict of a Llama-family model."""
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if d.get("model_type", "llama") not in ("llama", "mistral") and not any(
+            a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs
+        ):
+            raise ValueError(f"model_type {d.get('model_type')!r} is not a Llama-family model "
+                             "(supported: llama, mistral)")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta")
+        # NOTE: transformers >= 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
+        params = d.get("rope_parameters")
+        if params:
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        num_heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=rope_theta or 10000.0,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict that transformers' LlamaForCausalLM reads."""
+        d: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+        }
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        return d
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How big the paged KV cache is. `num_blocks` wins over `memory_fraction` when both are set."""
+
+    block_size: int = 16  # tokens per block; also the granularity of prefix caching
+    num_blocks: int | None = None
+    # fraction of the device's free memory (after weights) given to the cache; None -> device default
+    memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"CacheConfig.block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"CacheConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"CacheConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits for one engine step."""
+
+    max_num_seqs: int = 64  # sequences in one step's batch
+    # token budget per step, shared by decode rows (1 token each) and prefill chunks
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("SchedulerConfig.max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (one model replica) needs."""
+
+    model: str  # a built-in name, an HF model directory, or a .gguf file
+    device: str | None = None  # None -> cuda when available, else cpu
+    dtype: str | None = None  # None -> bfloat16 on cuda, float32 on cpu
+    max_model_len: int | None = None  # None -> the model's context length
+    num_threads: int | None = None  # torch intra-op threads on CPU; None -> leave torch's choice
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EngineConfig.model must name a model")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,57 @@
+"""The paged KV cache: one tensor per worker, addressed by block id.
+
+Layout: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]. A block holds `block_size`
+consecutive tokens of one sequence for every layer; `cache[l, 0, b]` is layer l's keys of block b, a
+contiguous [block_size, num_kv_heads, head_dim] slab, which is what the KV-transfer layer ships.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What two caches must agree on for blocks to move between them."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        """K and V of one block in one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.bytes_per_block_per_layer
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.tensor = torch.zeros((spec.num_layers, 2, num_blocks, *spec.block_shape), dtype=spec.dtype,
+                                  device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s (keys, values), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.tensor[layer, 0], self.tensor[layer, 1]
+
+    @staticmethod
+    def num_blocks_for_memory(spec: KVCacheSpec, num_bytes: int) -> int:
+        return max(1, num_bytes // spec.bytes_per_block)

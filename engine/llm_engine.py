@@ -1,0 +1,196 @@
+"""One model replica and its step loop: schedule -> run -> sample -> update."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_allocator import BlockAllocator
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.hub import log, resolve_model
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loader import load_checkpoint
+from engine.model_runner import ModelRunner
+from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.request import FinishReason, Request
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokenizer import Tokenizer
+
+# share of the device's free memory (after weights) given to the KV cache when the config does not say
+DEFAULT_MEMORY_FRACTION = {"cpu": 0.05, "cuda": 0.85}
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def pick_device(device: str | None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        t0 = time.perf_counter()
+        path = resolve_model(config.model)
+        model_config, state = load_checkpoint(path)
+        self.model_config = model_config
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.model = LlamaForCausalLM(model_config, state, self.dtype, self.device, self.max_model_len)
+        del state
+        self.tokenizer = Tokenizer(path)
+        eos = set(model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+        self.cache_spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads,
+                                      model_config.head_dim, config.cache.block_size, self.dtype)
+        num_blocks = self._num_blocks(config.cache)
+        self.kv_cache = KVCache(self.cache_spec, num_blocks, self.device)
+        self.allocator = BlockAllocator(num_blocks, config.scheduler.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self._ids = itertools.count()
+        log(f"loaded {config.model} ({model_config.num_params / 1e6:.0f}M params, {self.dtype}, "
+            f"{self.device}) with {num_blocks} KV blocks of {config.cache.block_size} tokens "
+            f"in {time.perf_counter() - t0:.1f}s")
+
+    def _num_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        fraction = cache.memory_fraction or DEFAULT_MEMORY_FRACTION.get(self.device.type, 0.05)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return KVCache.num_blocks_for_memory(self.cache_spec, int(free * fraction))
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Validate a prompt (text or token ids) and return its token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids: id {bad} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return ids
+
+    def check_prompt_len(self, n: int) -> None:
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token must fit)")
+        capacity = self.allocator.num_blocks * self.cache_spec.block_size
+        if n >= capacity:
+            raise ValueError(f"prompt has {n} tokens, more than the KV cache holds ({capacity} tokens); "
+                             "raise CacheConfig.num_blocks or memory_fraction")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        ids = self.tokenize(prompt)
+        self.check_prompt_len(len(ids))
+        request = Request(request_id or str(next(self._ids)), ids, params, self.cache_spec.block_size,
+                          self.eos_token_ids, self.max_model_len)
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step loop ----------------------------------------------------------------------------------
+
+    def step(self, layer_hook: LayerHook | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        """One engine step. Returns what was scheduled and the requests that finished."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return out, []
+        logits = self.runner.execute(out, layer_hook)
+        tokens = sample(logits, [c.request.params for c in out.chunks],
+                        [c.request.generator for c in out.chunks])
+        return out, self.scheduler.update(out, tokens)
+
+    def output(self, req: Request) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             self.tokenizer.decode(req.output_token_ids), req.finish_reason,
+                             req.num_cached_tokens)
+
+
+class LLM:
+    """Offline batch generation: `LLM(model="smollm2-135m").generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str = "smollm2-135m", *, device: str | None = None, dtype: str | None = None,
+                 max_model_len: int | None = None, num_threads: int | None = None,
+                 block_size: int = 16, num_blocks: int | None = None, memory_fraction: float | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, seed: int = 0) -> None:
+        self.engine = LLMEngine(EngineConfig(
+            model=model, device=device, dtype=dtype, max_model_len=max_model_len, num_threads=num_threads,
+            seed=seed, cache=CacheConfig(block_size, num_blocks, memory_fraction),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_prefix_caching),
+        ))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, text or token ids
+        # validate everything before queueing anything, so a bad prompt leaves no request behind
+        ids = [self.engine.tokenize(p) for p in prompts]
+        for p in ids:
+            self.engine.check_prompt_len(len(p))
+        requests = [self.engine.add_request(p, params) for p in ids]
+        done = 0
+        while self.engine.has_unfinished_requests():
+            _, finished = self.engine.step()
+            done += len(finished)
+            if use_tqdm and finished:
+                print(f"\rgenerated {done}/{len(requests)}", end="", file=sys.stderr, flush=True)
+        if use_tqdm:
+            print(file=sys.stderr)
+        return [self.engine.output(r) for r in requests]

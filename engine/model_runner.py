@@ -1,0 +1,102 @@
+"""Turns a SchedulerOutput into model inputs, runs the model, and returns one logits row per sequence."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.attention import DECODE_GROUP_SLACK, AttentionMetadata, DecodeGroup, SeqAttention
+from engine.config import cdiv
+from engine.kv_cache import KVCache
+from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_chunks] row of each chunk's last token
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.spec.block_size
+        self.device = kv_cache.device
+
+    def execute(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Logits [num_chunks, vocab] (float32) at each scheduled chunk's last token."""
+        inputs = self.prepare(out.chunks)
+        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
+                                  inputs.logits_indices, layer_hook)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> ModelInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        seqs: list[SeqAttention] = []
+        decode_rows: list[tuple[int, ScheduledChunk]] = []
+        for c in chunks:
+            req, q_start = c.request, len(ids)
+            ids += [req.token_at(p) for p in range(c.start, c.end)]
+            pos = range(c.start, c.end)
+            positions += pos
+            slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
+            logits_indices.append(len(ids) - 1)
+            if c.num_tokens == 1 and c.start > 0:
+                decode_rows.append((q_start, c))
+            else:
+                seqs.append(self._seq_attention(q_start, c))
+        if len(decode_rows) == 1:
+            q_start, c = decode_rows.pop()
+            seqs.append(self._seq_attention(q_start, c))
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            seqs=seqs,
+            decode_groups=self._decode_groups(decode_rows),
+            num_tokens=len(ids),
+        )
+        return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                           torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                           torch.tensor(logits_indices, dtype=torch.long, device=dev))
+
+    def _seq_attention(self, q_start: int, c: ScheduledChunk) -> SeqAttention:
+        if c.start == 0:
+            return SeqAttention(q_start, c.num_tokens, fresh=True)
+        ctx = c.end
+        table = torch.tensor(c.request.block_ids[:cdiv(ctx, self.block_size)], dtype=torch.long,
+                             device=self.device)
+        mask = None
+        if c.num_tokens > 1:  # a later prefill chunk: causal within the chunk, full view of the past
+            q_pos = torch.arange(c.start, c.end, device=self.device)
+            mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
+        return SeqAttention(q_start, c.num_tokens, fresh=False, block_table=table, ctx_len=ctx, mask=mask)
+
+    def _decode_groups(self, rows: list[tuple[int, ScheduledChunk]]) -> list[DecodeGroup]:
+        rows = sorted(rows, key=lambda r: r[1].end)
+        groups: list[DecodeGroup] = []
+        start = 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i][1].end > DECODE_GROUP_SLACK * rows[start][1].end:
+                groups.append(self._decode_group(rows[start:i]))
+                start = i
+        return groups
+
+    def _decode_group(self, rows: list[tuple[int, ScheduledChunk]]) -> DecodeGroup:
+        bs = self.block_size
+        ctx = [c.end for _, c in rows]
+        width = cdiv(max(ctx), bs)
+        tables = [c.request.block_ids[:width] + [0] * (width - len(c.request.block_ids[:width]))
+                  for _, c in rows]
+        dev = self.device
+        lens = torch.tensor(ctx, device=dev)
+        mask = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]  # [B, L]
+        return DecodeGroup(rows=torch.tensor([q for q, _ in rows], dtype=torch.long, device=dev),
+                           block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+                           mask=mask[:, None, None, :])

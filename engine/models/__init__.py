@@ -1,0 +1,5 @@
+"""Model definitions over the paged KV cache."""
+
+from engine.models.llama import LlamaForCausalLM
+
+__all__ = ["LlamaForCausalLM"]

@@ -1,0 +1,184 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step, running sequences are served first (one token per decoding sequence, the next chunk for a prompt
+still prefilling), then waiting sequences are admitted FIFO while the budget, the sequence limit and the
+free blocks allow. A new sequence first takes whatever prefix of its prompt the prefix cache holds. When a
+running sequence needs a block and none is free, the most recently admitted sequence is preempted: its
+blocks are freed and it is recomputed from scratch later (vLLM's recompute preemption).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_allocator import BlockAllocator
+from engine.config import SchedulerConfig, cdiv
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # first token position computed this step (== request.num_computed_tokens)
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._num_committed: dict[str, int] = {}  # request id -> blocks registered in the prefix cache
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._grow(req, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            if not self._admit(req, budget):
+                if not self.running and not out.chunks:
+                    # alone and still too big for the whole cache: it can never run
+                    self.waiting.popleft()
+                    self.finish(req, RequestStatus.FINISHED_LENGTH if req.output_token_ids
+                                else RequestStatus.FINISHED_ERROR)
+                    continue
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance every scheduled sequence; returns those that finished this step."""
+        finished = []
+        for chunk, token in zip(out.chunks, sampled):
+            req = chunk.request
+            if req.is_finished:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = chunk.end
+            self._commit_full_blocks(req)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a partial prefill chunk: its sample is meaningless
+            req.status = RequestStatus.RUNNING
+            req.append_token(token)
+            stop = req.check_stop()
+            if stop is not None:
+                self.finish(req, stop)
+                finished.append(req)
+        return finished
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        assert status.is_finished
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        self.requests.pop(req.request_id, None)
+
+    # -- blocks -----------------------------------------------------------------------------------------
+
+    def _admit(self, req: Request, budget: int) -> bool:
+        """Give a waiting request its blocks: the cached prefix first, then fresh ones for this step."""
+        bs = self.block_size
+        # NOTE: at least the last prompt token is always computed, since its logits give the next token.
+        cached = self.allocator.find_cached(req.block_hashes[:(req.num_tokens - 1) // bs])
+        self.allocator.touch(cached)
+        computed = len(cached) * bs
+        n = min(req.num_tokens - computed, budget)
+        fresh = self.allocator.allocate(cdiv(computed + n, bs) - len(cached))
+        if fresh is None:
+            self.allocator.free(cached)
+            return False
+        req.block_ids = cached + fresh
+        req.num_computed_tokens = computed
+        if not req.output_token_ids:  # first admission, not a recompute after preemption
+            req.num_cached_tokens = computed
+        req.status = RequestStatus.PREFILLING
+        self._num_committed[req.request_id] = len(cached)
+        return True
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = cdiv(num_tokens, self.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        blocks = self.allocator.allocate(need)
+        if blocks is None:
+            return False
+        req.block_ids += blocks
+        return True
+
+    def _commit_full_blocks(self, req: Request) -> None:
+        start = self._num_committed.get(req.request_id, 0)
+        end = req.num_computed_tokens // self.block_size
+        for i in range(start, end):
+            self.allocator.cache_block(req.block_ids[i], req.block_hashes[i])
+        self._num_committed[req.request_id] = max(start, end)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+        self._num_committed.pop(req.request_id, None)

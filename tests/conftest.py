@@ -1,0 +1,34 @@
+"""Shared fixtures. One local Ray cluster per test session (ray.init costs ~4 s), pinned to loopback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# NOTE: Ray 2.60 enables token auth by default; a throwaway loopback cluster for tests does not need it.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster on 127.0.0.1 shared by every test of the session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
+                 log_to_driver=True, runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    yield ray
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,38 @@
+"""Small factories for engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+
+
+def make_engine(model: str = "tiny-random", *, num_blocks: int | None = 256, block_size: int = 16,
+                max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                prefix_caching: bool = True) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=model, device="cpu", dtype="float32",
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefix_caching),
+    ))
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run_capturing_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
+    """Drive the engine to completion (greedy), recording the logits each request sampled from."""
+    logits_by_req: dict[str, list[torch.Tensor]] = {}
+    while engine.has_unfinished_requests():
+        out = engine.scheduler.schedule()
+        logits = engine.runner.execute(out)
+        for chunk, row in zip(out.chunks, logits):
+            if chunk.end == chunk.request.num_tokens:  # a sampled position, not a partial prefill chunk
+                logits_by_req.setdefault(chunk.request.request_id, []).append(row.clone())
+        engine.scheduler.update(out, logits.argmax(-1).tolist())
+    return logits_by_req
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()

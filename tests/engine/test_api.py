@@ -1,0 +1,107 @@
+"""The offline API: argument validation, sampling controls, prompts as text or ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-random", num_blocks=256, max_model_len=256)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"seed": -3}, "seed"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: CacheConfig(block_size=0), "block_size"),
+    (lambda: CacheConfig(memory_fraction=1.5), "memory_fraction"),
+    (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (lambda: EngineConfig(model="tiny-random", dtype="float8"), "dtype"),
+])
+def test_bad_configs_name_the_field(build, field):
+    with pytest.raises(ValueError, match=field):
+        build()
+
+
+def test_unknown_model_name_is_refused():
+    with pytest.raises(ValueError, match="model 'no-such-model'"):
+        LLM("no-such-model")
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ("", "prompt"),
+    ([], "prompt"),
+    ([1, 2, 100000], "prompt_token_ids"),
+    ([-1], "prompt_token_ids"),
+    ("x" * 300, "max_model_len"),
+])
+def test_bad_prompts_name_the_field_and_queue_nothing(llm, prompt, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_text_and_token_id_prompts_give_the_same_tokens(llm):
+    text = "hello, pdserve"
+    ids = llm.tokenizer.encode(text)
+    a, b = llm.generate([text, ids], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert a.prompt_token_ids == ids and a.token_ids == b.token_ids and len(a.token_ids) == 10
+    assert a.text == llm.tokenizer.decode(a.token_ids)
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(llm):
+    def run(seed):
+        p = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
+        return llm.generate(["sample me"], p)[0].token_ids
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_seeded_sample_does_not_depend_on_batch_neighbours(llm):
+    p = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    alone = llm.generate(["neighbours"], p)[0].token_ids
+    batched = llm.generate(["neighbours", "other text here", "x"], p)[0].token_ids
+    assert alone == batched
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate(["abc"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    for p in (SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.5, top_p=1e-6, seed=0, ignore_eos=True)):
+        assert llm.generate(["abc"], p)[0].token_ids == greedy
+
+
+def test_stop_token_ids_and_max_tokens_finish_reasons(llm):
+    free = llm.generate(["stop test"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason.value == "length" and len(free.token_ids) == 8
+    stop_at = free.token_ids[3]
+    first = free.token_ids.index(stop_at)
+    out = llm.generate(["stop test"], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop_at,)))[0]
+    assert out.finish_reason.value == "stop" and out.token_ids == free.token_ids[:first + 1]
+
+
+def test_eos_stops_unless_ignore_eos(llm, monkeypatch):
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    free = llm.generate(["eos test"], greedy)[0].token_ids
+    # make the model's second greedy token the EOS id
+    monkeypatch.setattr(llm.engine, "eos_token_ids", (free[1],))
+    stopped = llm.generate(["eos test"], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert stopped.finish_reason.value == "stop" and stopped.token_ids == free[:free.index(free[1]) + 1]
+    assert llm.generate(["eos test"], greedy)[0].token_ids == free
+    assert llm.engine.allocator.num_used_blocks == 0

@@ -1,0 +1,128 @@
+"""Chunked prefill, prefix caching, mixed batches and preemption all give the one-pass answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.helpers import greedy, make_engine, rel_err, run_capturing_logits
+
+PROMPT = [(11 * i + 5) % 250 for i in range(70)]
+
+
+def one_pass_logits(prompt: list[int], max_tokens: int) -> list[torch.Tensor]:
+    engine = make_engine(max_num_batched_tokens=4096, prefix_caching=False)
+    req = engine.add_request(prompt, greedy(max_tokens, ignore_eos=True))
+    return run_capturing_logits(engine)[req.request_id]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 33])
+def test_chunked_prefill_matches_one_pass(chunk):
+    ref = one_pass_logits(PROMPT, 4)
+    engine = make_engine(max_num_batched_tokens=chunk)
+    req = engine.add_request(PROMPT, greedy(4, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        out = engine.scheduler.schedule()
+        assert out.num_tokens <= chunk
+        logits = engine.runner.execute(out)
+        if out.chunks[0].end == req.num_tokens:
+            steps.append(logits[0].clone())
+        engine.scheduler.update(out, logits.argmax(-1).tolist())
+    assert len(steps) == len(ref)
+    for ours, want in zip(steps, ref):
+        assert rel_err(ours, want) <= 1e-5
+
+
+def test_prefix_cache_hit_computes_only_new_tokens_and_matches():
+    engine = make_engine()
+    first = engine.add_request(PROMPT[:50], greedy(2, ignore_eos=True))
+    run_capturing_logits(engine)
+    assert engine.allocator.num_cached_blocks >= 3  # 50 prompt tokens -> 3 full blocks
+
+    req = engine.add_request(PROMPT, greedy(4, ignore_eos=True))
+    out = engine.scheduler.schedule()
+    assert req.num_cached_tokens == 48
+    assert out.chunks[0].start == 48 and out.num_tokens == len(PROMPT) - 48
+    logits = engine.runner.execute(out)
+    engine.scheduler.update(out, logits.argmax(-1).tolist())
+    rest = run_capturing_logits(engine)[req.request_id]
+    ref = one_pass_logits(PROMPT, 4)
+    for ours, want in zip([logits[0]] + rest, ref):
+        assert rel_err(ours, want) <= 1e-5
+    assert first.is_finished
+
+
+def test_whole_prompt_cached_still_computes_last_token():
+    engine = make_engine()
+    engine.add_request(PROMPT[:64], greedy(1, ignore_eos=True))
+    run_capturing_logits(engine)
+    req = engine.add_request(PROMPT[:64], greedy(3, ignore_eos=True))
+    out = engine.scheduler.schedule()
+    assert req.num_cached_tokens == 48 and out.num_tokens == 16  # last block recomputed for its logits
+    engine.scheduler.update(out, engine.runner.execute(out).argmax(-1).tolist())
+    run_capturing_logits(engine)
+    assert req.output_token_ids == _alone(PROMPT[:64], 3)
+
+
+def _alone(prompt: list[int], n: int) -> list[int]:
+    engine = make_engine(prefix_caching=False)
+    req = engine.add_request(prompt, greedy(n, ignore_eos=True))
+    run_capturing_logits(engine)
+    return req.output_token_ids
+
+
+def test_mixed_length_batch_equals_each_sequence_alone():
+    prompts = [PROMPT[:n] for n in (3, 17, 40, 70, 9, 33)]
+    max_tokens = [12, 5, 20, 8, 30, 1]
+    engine = make_engine(max_num_batched_tokens=64)  # forces prefill chunks to share steps with decodes
+    reqs = [engine.add_request(p, greedy(m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
+    logits = run_capturing_logits(engine)
+    for p, m, r in zip(prompts, max_tokens, reqs):
+        ref = one_pass_logits(p, m)
+        assert r.output_token_ids == _alone(p, m)
+        for ours, want in zip(logits[r.request_id], ref):
+            assert rel_err(ours, want) <= 1e-5
+
+
+def test_preemption_under_block_pressure_recomputes_and_matches():
+    prompts = [PROMPT[i:i + 20] for i in range(8)]
+    want = [_alone(p, 40) for p in prompts]
+    # 8 requests x 60 tokens need 32 blocks; 10 blocks force repeated preemption
+    engine = make_engine(num_blocks=10, prefix_caching=False)
+    reqs = [engine.add_request(p, greedy(40, ignore_eos=True)) for p in prompts]
+    preempted = 0
+    while engine.has_unfinished_requests():
+        out = engine.scheduler.schedule()
+        preempted += len(out.preempted)
+        if not out.is_empty:
+            engine.scheduler.update(out, engine.runner.execute(out).argmax(-1).tolist())
+    assert preempted > 0
+    assert [r.output_token_ids for r in reqs] == want
+    assert engine.allocator.num_used_blocks == 0
+    engine.allocator.check_invariants()
+
+
+def test_request_larger_than_the_whole_cache_ends_with_length_not_a_hang():
+    engine = make_engine(num_blocks=4, prefix_caching=False)  # 64 tokens of KV in all
+    req = engine.add_request(PROMPT[:40], greedy(100, ignore_eos=True))
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert req.is_finished and req.finish_reason.value == "length"
+    assert len(req.output_token_ids) == 64 - 40 + 1
+    assert engine.allocator.num_used_blocks == 0
+
+
+def test_abort_frees_blocks_and_prefix_cache_keeps_full_blocks():
+    engine = make_engine()
+    req = engine.add_request(PROMPT, greedy(50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.allocator.num_used_blocks == 5
+    engine.abort_request(req.request_id)
+    assert req.finish_reason.value == "abort"
+    assert engine.allocator.num_used_blocks == 0
+    assert engine.allocator.num_cached_blocks == 4
+    assert not engine.has_unfinished_requests()
