@@ -24,12 +24,15 @@ LayerHook = Callable[[int], None]
 
 @dataclass
 class LayerWeights:
+    # NOTE: matrices are stored transposed, [in, out], and applied as `x @ w`: oneDNN's GEMV over the
+    # [in, out] layout streams weights ~1.7x faster on CPU than F.linear over HF's [out, in] layout at
+    # batch 1 (measured: lm_head 3.9 ms vs 6.9 ms), and it is the same GEMM for prefill.
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    o: torch.Tensor  # [hidden, q_size]
+    qkv: torch.Tensor  # [hidden, q_size + 2 * kv_size]
+    o: torch.Tensor  # [q_size, hidden]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
+    down: torch.Tensor  # [intermediate, hidden]
 
 
 class LlamaForCausalLM:
@@ -44,20 +47,23 @@ class LlamaForCausalLM:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return state_dict[name].to(device=device, dtype=dtype)
 
+        def t(*names: str) -> torch.Tensor:  # [out, in] matrices, fused along out, stored [in, out]
+            return torch.cat([w(n) for n in names]).t().contiguous()
+
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in state_dict
-        self.lm_head = self.embed if tied else w("lm_head.weight")
+        self.lm_head = (self.embed if tied else w("lm_head.weight")).t().contiguous()  # [hidden, vocab]
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(LayerWeights(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
-                o=w(p + "self_attn.o_proj.weight"),
+                qkv=t(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+                o=t(p + "self_attn.o_proj.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=t(p + "mlp.down_proj.weight"),
             ))
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
                                     dtype, device)
@@ -65,7 +71,7 @@ class LlamaForCausalLM:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors = [self.embed, self.norm, self.lm_head]
         for layer in self.layers:
             tensors += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -81,7 +87,7 @@ class LlamaForCausalLM:
         T = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.attn_norm, eps)
-            qkv = F.linear(x, layer.qkv)  # [T, q_size + 2 * kv_size]
+            qkv = x @ layer.qkv  # [T, q_size + 2 * kv_size]
             qk = self.rope(qkv[:, :c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim),
                            positions)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
@@ -90,9 +96,9 @@ class LlamaForCausalLM:
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             if layer_hook is not None:
                 layer_hook(i)
-            h = h + F.linear(attn.reshape(T, c.q_size), layer.o)
+            h = h + attn.reshape(T, c.q_size) @ layer.o
             x = F.rms_norm(h, (c.hidden_size,), layer.mlp_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
+            h = h + (F.silu(gate) * up) @ layer.down
         h = F.rms_norm(h[logits_indices], (c.hidden_size,), self.norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return (h @ self.lm_head).float()
