@@ -6,7 +6,7 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import LayerHook, LlamaForCausalLM
-from engine.request import FinishReason, Request
+from engine.request import FinishReason, Request, RequestStatus
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -28,6 +28,19 @@ from engine.tokenizer import Tokenizer
 DEFAULT_MEMORY_FRACTION = {"cpu": 0.05, "cuda": 0.85}
 
 Prompt = str | Sequence[int]
+LayerHookFactory = Callable[[SchedulerOutput], LayerHook | None]
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of one engine's load, what the router's placement policy weighs."""
+
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
+    free_blocks: int
+    total_blocks: int
+    cached_blocks: int
 
 
 @dataclass
@@ -141,12 +154,30 @@ class LLMEngine:
 
     # -- the step loop ----------------------------------------------------------------------------------
 
-    def step(self, layer_hook: LayerHook | None = None) -> tuple[SchedulerOutput, list[Request]]:
-        """One engine step. Returns what was scheduled and the requests that finished."""
+    def has_scheduled_work(self) -> bool:
+        """Whether `step` would compute anything (requests waiting on a KV transfer do not count)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def load(self) -> EngineLoad:
+        s, a = self.scheduler, self.allocator
+        return EngineLoad(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in (*s.waiting, *s.running)
+                                      if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)),
+            free_blocks=a.num_free_blocks,
+            total_blocks=a.num_blocks,
+            cached_blocks=a.num_cached_blocks,
+        )
+
+    def step(self, layer_hook_for: LayerHookFactory | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        """One engine step. Returns what was scheduled and the requests that got a token (see
+        `Scheduler.update`). `layer_hook_for` sees the step's schedule before the model runs and may return
+        a hook called after each layer's KV is written (the prefill worker's layer-wise KV push)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return out, []
-        logits = self.runner.execute(out, layer_hook)
+        logits = self.runner.execute(out, layer_hook_for(out) if layer_hook_for else None)
         tokens = sample(logits, [c.request.params for c in out.chunks],
                         [c.request.generator for c in out.chunks])
         return out, self.scheduler.update(out, tokens)
@@ -187,8 +218,9 @@ class LLM:
         requests = [self.engine.add_request(p, params) for p in ids]
         done = 0
         while self.engine.has_unfinished_requests():
-            _, finished = self.engine.step()
-            done += len(finished)
+            _, advanced = self.engine.step()
+            finished = sum(r.is_finished for r in advanced)
+            done += finished
             if use_tqdm and finished:
                 print(f"\rgenerated {done}/{len(requests)}", end="", file=sys.stderr, flush=True)
         if use_tqdm:

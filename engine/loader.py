@@ -17,7 +17,7 @@ def load_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         return load_gguf(str(path))
     from safetensors.torch import load_file
 
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    config = load_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
@@ -25,3 +25,14 @@ def load_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for f in files:
         state.update(load_file(str(f)))
     return config, state
+
+
+def load_config(path: Path) -> ModelConfig:
+    """The model's shape without its weights (what the router needs for limits)."""
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        from engine.gguf_loader import gguf_config
+
+        return gguf_config(GGUFReader(path))
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))

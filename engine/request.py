@@ -61,6 +61,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of all tokens
     generator: torch.Generator | None = None
+    # prefill worker: stop after the first token and hold the blocks (SENDING_KV) until the KV has shipped
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt reached the engine"

@@ -104,8 +104,9 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance every scheduled sequence; returns those that finished this step."""
-        finished = []
+        """Advance every scheduled sequence; returns those that got a new token this step (finished ones
+        included: their status says so)."""
+        advanced = []
         for chunk, token in zip(out.chunks, sampled):
             req = chunk.request
             if req.is_finished:
@@ -114,13 +115,51 @@ class Scheduler:
             self._commit_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a partial prefill chunk: its sample is meaningless
-            req.status = RequestStatus.RUNNING
             req.append_token(token)
+            advanced.append(req)
+            if req.prefill_only:
+                # the blocks stay pinned while the KV-transfer layer reads them; see `finish`
+                req.status = RequestStatus.SENDING_KV
+                self.running.remove(req)
+                continue
+            req.status = RequestStatus.RUNNING
             stop = req.check_stop()
             if stop is not None:
                 self.finish(req, stop)
-                finished.append(req)
-        return finished
+        return advanced
+
+    def reserve_for_kv(self, req: Request) -> list[int] | None:
+        """Decode worker: hold blocks for a prompt whose KV another worker computes. The prompt's full
+        blocks that this cache already holds are reused; the returned table covers the whole prompt, and
+        the first `req.num_cached_tokens // block_size` of it need not be sent. None when out of room."""
+        bs = self.block_size
+        cached = self.allocator.find_cached(req.block_hashes[:req.num_prompt_tokens // bs])
+        self.allocator.touch(cached)
+        fresh = self.allocator.allocate(cdiv(req.num_prompt_tokens, bs) - len(cached))
+        if fresh is None:
+            self.allocator.free(cached)
+            return None
+        req.block_ids = cached + fresh
+        req.num_cached_tokens = len(cached) * bs
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.requests[req.request_id] = req
+        self._num_committed[req.request_id] = len(cached)
+        return req.block_ids
+
+    def kv_landed(self, req: Request, first_token: int) -> bool:
+        """The prompt's KV is in the reserved blocks and its first token is known: start decoding.
+        Returns True when that first token already finishes the request."""
+        assert req.status == RequestStatus.WAITING_FOR_KV, f"{req.request_id} is {req.status.name}"
+        req.num_computed_tokens = req.num_prompt_tokens
+        self._commit_full_blocks(req)
+        req.append_token(first_token)
+        stop = req.check_stop()
+        if stop is not None:
+            self.finish(req, stop)
+            return True
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return False
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         assert status.is_finished

@@ -1,0 +1,5 @@
+"""The decode pool's worker (and, without a KV transport, the colocated baseline worker)."""
+
+from decode_worker.worker import DecodeWorker, Reservation
+
+__all__ = ["DecodeWorker", "Reservation"]

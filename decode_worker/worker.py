@@ -1,0 +1,175 @@
+"""DecodeWorker: receives prompts' KV from the prefill pool and decodes them with continuous batching.
+
+A Ray actor holding one model replica. For a disaggregated request the router calls `reserve` (blocks for
+the prompt, reusing this worker's own prefix cache, and a KV receiver armed for them), then — once the
+prefill worker has answered with the first token — `start`. The sequence joins the running batch when
+both its KV has landed and its first token is known. Every engine step sends **one** message to the router
+(`stream_steps`) carrying the new token of every running sequence.
+
+With no KV transport (`kind="colocated"`), the same actor is the colocated baseline: `submit` queues a raw
+prompt and the engine prefills and decodes it itself, streaming through the same `stream_steps`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop, StepOutput, TokenDelta
+from engine.llm_engine import LLMEngine
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.worker_types import LoadReport, WorkerInfo, node_identity
+from kv_transfer import KVTransferConfig, PeerAddress, create_receiver
+
+# the KV of a reserved prompt must land within this long, or the reservation is dropped
+KV_TRANSFER_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Reservation:
+    kv_address: PeerAddress
+    block_ids: list[int]  # this worker's table for the whole prompt
+    num_cached_blocks: int  # leading blocks already held by this worker's prefix cache: not to be sent
+
+
+@dataclass
+class _Pending:
+    """A reserved request whose KV or first token has not arrived yet."""
+
+    request: Request
+    landed: bool = False
+    first_token: int | None = None
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, config: EngineConfig, kv_config: KVTransferConfig | None) -> None:
+        self.worker_id = worker_id
+        self.kind = "decode" if kv_config is not None else "colocated"
+        self.engine = LLMEngine(config)
+        self.node_id, self.node_ip = node_identity()
+        self.receiver = (create_receiver(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
+                         if kv_config is not None else None)
+        self.pending: dict[str, _Pending] = {}
+        self._outbox: asyncio.Queue[StepOutput] | None = None
+        self._outbox_loop: asyncio.AbstractEventLoop | None = None
+        self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, name=f"{worker_id}-loop")
+        self.loop.start()
+
+    async def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.kind, self.node_id, self.node_ip,
+                          self.engine.cache_spec.block_size, self.engine.allocator.num_blocks,
+                          self.receiver.address if self.receiver else None)
+
+    async def report(self) -> LoadReport:
+        return await asyncio.wrap_future(self.loop.call(self._report))
+
+    async def stream_steps(self) -> AsyncIterator[StepOutput]:
+        """One message per engine step, forever (the router holds one such stream per worker)."""
+        self._outbox_loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+        while True:
+            yield await self._outbox.get()
+
+    # -- disaggregated ----------------------------------------------------------------------------------
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      src: str) -> Reservation | None:
+        """Blocks for the prompt and a receiver armed for sender `src`; None when out of room."""
+        assert self.receiver is not None, "reserve() on a colocated worker"
+
+        def reserve() -> Reservation | None:
+            req = self._request(request_id, prompt_token_ids, params)
+            blocks = self.engine.scheduler.reserve_for_kv(req)
+            if blocks is None:
+                return None
+            skip = req.num_cached_tokens // self.engine.cache_spec.block_size
+            pending = self.pending[request_id] = _Pending(req)
+            if skip < len(blocks):
+                self.receiver.expect(request_id, src, blocks[skip:], time.monotonic() + KV_TRANSFER_TIMEOUT_S)
+            else:
+                pending.landed = True  # every block already cached here
+            return Reservation(self.receiver.address, list(blocks), skip)
+
+        return await asyncio.wrap_future(self.loop.call(reserve))
+
+    async def start(self, request_id: str, first_token: int) -> None:
+        """The prefill worker sampled `first_token`: decode once the KV has landed."""
+
+        def start() -> None:
+            pending = self.pending.get(request_id)
+            if pending is not None:
+                pending.first_token = first_token
+                self._admit_if_ready(pending)
+
+        await asyncio.wrap_future(self.loop.call(start))
+
+    # -- colocated --------------------------------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        await asyncio.wrap_future(self.loop.call(
+            lambda: self.engine.scheduler.add(self._request(request_id, prompt_token_ids, params))))
+
+    # -- both -------------------------------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> None:
+        """Free whatever the request holds here; a no-op for unknown or finished requests."""
+
+        def abort() -> None:
+            if self.pending.pop(request_id, None) is not None and self.receiver is not None:
+                self.receiver.abort(request_id)
+            self.engine.scheduler.abort(request_id)
+
+        await asyncio.wrap_future(self.loop.call(abort))
+
+    async def shutdown(self) -> None:
+        self.loop.shutdown()
+        if self.receiver is not None:
+            self.receiver.close()
+
+    # -- on the loop thread -----------------------------------------------------------------------------
+
+    def _request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        return Request(request_id, prompt_token_ids, params, self.engine.cache_spec.block_size,
+                       self.engine.eos_token_ids, self.engine.max_model_len)
+
+    def _admit_if_ready(self, pending: _Pending) -> None:
+        if not pending.landed or pending.first_token is None:
+            return
+        req = pending.request
+        del self.pending[req.request_id]
+        if self.engine.scheduler.kv_landed(req, pending.first_token):  # the first token already ends it
+            self._emit([TokenDelta(req.request_id, [], req.finish_reason.value, req.num_cached_tokens)])
+
+    def _poll(self) -> bool:
+        if self.receiver is None:
+            return False
+        failed = []
+        for result in self.receiver.pop_finished():
+            pending = self.pending.get(result.request_id)
+            if pending is None:
+                continue
+            if result.ok:
+                pending.landed = True
+                self._admit_if_ready(pending)
+            else:
+                del self.pending[result.request_id]
+                self.engine.scheduler.finish(pending.request, RequestStatus.FINISHED_ERROR)
+                failed.append(TokenDelta(result.request_id, [], "error"))
+        if failed:
+            self._emit(failed)
+        return bool(self.pending)
+
+    def _on_step(self, out: StepOutput) -> None:
+        if self._outbox is not None:
+            self._outbox_loop.call_soon_threadsafe(self._outbox.put_nowait, out)
+
+    def _emit(self, deltas: list[TokenDelta]) -> None:
+        self._on_step(StepOutput(-1, time.time(), deltas, self.engine.load()))
+
+    def _report(self) -> LoadReport:
+        events = self.engine.allocator.drain_events()
+        return LoadReport(self.worker_id, self.engine.load(), events.stored, events.removed)

@@ -1,0 +1,5 @@
+"""The prefill pool's worker: prompts in, first tokens out, KV pushed to the decode pool."""
+
+from prefill_worker.worker import PrefillResult, PrefillWorker
+
+__all__ = ["PrefillResult", "PrefillWorker"]

@@ -1,0 +1,189 @@
+"""PrefillWorker: computes prompts, samples their first token, and pushes their KV to a decode worker.
+
+A Ray actor holding one model replica. `prefill` is one remote call per request: it queues the prompt,
+and its answer comes back once the first token is sampled *and* the KV has landed on the decode worker (or
+the transfer failed). Inside, an EngineLoop thread batches waiting prompts under the token budget. On the
+step that finishes a prompt, the worker opens the transfer before the model runs and ships each layer's
+blocks as soon as that layer is written, so the copy overlaps the remaining layers' compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig, cdiv
+from engine.engine_loop import EngineLoop, StepOutput
+from engine.llm_engine import LLMEngine
+from engine.models.llama import LayerHook
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.worker_types import LoadReport, WorkerInfo, node_identity
+from kv_transfer import KVTransferConfig, PeerAddress, TransferResult, create_sender
+
+# a prompt's KV must have landed this long after its transfer opened, or the transfer fails
+KV_TRANSFER_TIMEOUT_S = 30.0
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    first_token: int | None  # None when it failed
+    finish_reason: str | None  # set when the first token already ends the request ("stop" | "length")
+    num_cached_tokens: int  # prompt tokens this worker's prefix cache served
+    error: str | None = None
+    # wall-clock instants (time.time()) for the router's TTFT breakdown
+    scheduled_at: float = 0.0
+    sampled_at: float = 0.0
+    kv_done_at: float = 0.0
+    report: LoadReport | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class _Job:
+    request: Request
+    dst: PeerAddress
+    dst_block_ids: list[int]  # the decode worker's table for the whole prompt
+    num_dst_cached_blocks: int  # leading blocks the decode worker already holds: not sent
+    future: asyncio.Future
+    scheduled_at: float = 0.0
+    sampled_at: float = 0.0
+    transfer_open: bool = False
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, config: EngineConfig, kv_config: KVTransferConfig) -> None:
+        self.worker_id = worker_id
+        self.engine = LLMEngine(config)
+        self.node_id, self.node_ip = node_identity()
+        self.sender = create_sender(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
+        self.jobs: dict[str, _Job] = {}
+        self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, layer_hook_for=self._hook_for,
+                               name=f"{worker_id}-loop")
+        self.loop.start()
+
+    async def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, "prefill", self.node_id, self.node_ip,
+                          self.engine.cache_spec.block_size, self.engine.allocator.num_blocks)
+
+    async def report(self) -> LoadReport:
+        return await asyncio.wrap_future(self.loop.call(self._report))
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      dst: PeerAddress, dst_block_ids: list[int], num_dst_cached_blocks: int) -> PrefillResult:
+        future = asyncio.get_running_loop().create_future()
+
+        def add() -> None:
+            req = Request(request_id, prompt_token_ids, params, self.engine.cache_spec.block_size,
+                          self.engine.eos_token_ids, self.engine.max_model_len, prefill_only=True)
+            self.engine.scheduler.add(req)
+            self.jobs[request_id] = _Job(req, dst, dst_block_ids, num_dst_cached_blocks, future)
+
+        await asyncio.wrap_future(self.loop.call(add))
+        return await future
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self.loop.call(lambda: self._end(request_id, "aborted by the router")))
+
+    async def shutdown(self) -> None:
+        self.loop.shutdown()
+        self.sender.close()
+
+    # -- on the loop thread -----------------------------------------------------------------------------
+
+    def _hook_for(self, out: SchedulerOutput) -> LayerHook | None:
+        now = time.time()
+        sending = []
+        for chunk in out.chunks:
+            job = self.jobs.get(chunk.request.request_id)
+            if job is None:
+                continue
+            job.scheduled_at = job.scheduled_at or now
+            # the prompt's last chunk: ship every layer
+            if chunk.end == job.request.num_prompt_tokens and self._open_transfer(job):
+                sending.append(job.request.request_id)
+        if not sending:
+            return None
+
+        def hook(layer: int) -> None:
+            for rid in sending:
+                self.sender.send_layer(rid, layer)
+
+        return hook
+
+    def _open_transfer(self, job: _Job) -> bool:
+        req = job.request
+        skip = job.num_dst_cached_blocks
+        n = cdiv(req.num_prompt_tokens, self.engine.cache_spec.block_size)
+        if skip >= n:
+            return False  # the decode worker holds the whole prompt already
+        # NOTE: the whole prompt's blocks go in the last chunk's step, earlier chunks included: they are
+        # final by then, and one transfer per request keeps the receiver's bookkeeping trivial.
+        self.sender.begin(req.request_id, job.dst, req.block_ids[skip:n], job.dst_block_ids[skip:n],
+                          time.monotonic() + KV_TRANSFER_TIMEOUT_S)
+        job.transfer_open = True
+        return True
+
+    def _on_step(self, out: StepOutput) -> None:
+        for delta in out.deltas:
+            job = self.jobs.get(delta.request_id)
+            if job is None:
+                continue
+            job.sampled_at = out.time
+            if delta.finish_reason == "error":
+                self._end(delta.request_id, "the prefill step failed")
+            elif not job.transfer_open:  # nothing to send: done as soon as sampled
+                self._finish(job, None)
+
+    def _poll(self) -> bool:
+        for result in self.sender.pop_finished():
+            job = self.jobs.get(result.request_id)
+            if job is not None:
+                self._finish(job, result)
+        return any(j.transfer_open for j in self.jobs.values())
+
+    def _finish(self, job: _Job, transfer: TransferResult | None) -> None:
+        req = job.request
+        del self.jobs[req.request_id]
+        error = None if transfer is None or transfer.ok else f"KV transfer failed: {transfer.error}"
+        first = req.output_token_ids[0] if req.output_token_ids else None
+        if error is None and first is None:
+            error = "KV transfer finished before the first token was sampled"
+        stop = req.check_stop() if first is not None else None
+        # the worker is done with the request either way; its full blocks stay in the prefix cache
+        self.engine.scheduler.finish(req, RequestStatus.FINISHED_ERROR if error else
+                                     (stop or RequestStatus.FINISHED_LENGTH))
+        result = PrefillResult(req.request_id, first, None if stop is None else FINISH_REASONS[stop].value,
+                               req.num_cached_tokens, error, job.scheduled_at, job.sampled_at, time.time(),
+                               self._report())
+        _resolve(job.future, result)
+
+    def _end(self, request_id: str, reason: str) -> None:
+        job = self.jobs.pop(request_id, None)
+        if job is None:
+            return
+        if job.transfer_open:
+            self.sender.abort(request_id, reason)
+        self.engine.scheduler.finish(job.request, RequestStatus.FINISHED_ABORTED)
+        _resolve(job.future, PrefillResult(request_id, None, None, job.request.num_cached_tokens, reason,
+                                           report=self._report()))
+
+    def _report(self) -> LoadReport:
+        events = self.engine.allocator.drain_events()
+        return LoadReport(self.worker_id, self.engine.load(), events.stored, events.removed)
+
+
+def _resolve(future: asyncio.Future, value: object) -> None:
+    """Complete an actor-side future from the loop thread."""
+
+    def settle() -> None:
+        if not future.done():
+            future.set_result(value)
+
+    future.get_loop().call_soon_threadsafe(settle)

@@ -1,0 +1,128 @@
+"""The `pdserve` command: `serve` starts a deployment, `generate` streams a completion from one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def _resources(text: str) -> dict[str, float]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict) or not all(isinstance(v, int | float) for v in value.values()):
+        raise argparse.ArgumentTypeError('expected a JSON object of numbers, e.g. \'{"GPU": 1}\'')
+    return value
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start prefill/decode pools on Ray and a gRPC server")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="built-in name (smollm2-135m, tiny-random), HF model directory, or .gguf file")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds (default loopback)")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--colocated-workers", type=int, default=0,
+                   help="serve with N workers that both prefill and decode (the baseline); "
+                        "use with --prefill-workers 0 --decode-workers 0")
+    p.add_argument("--ray-address", default=None,
+                   help="join a running Ray cluster (auto or HOST:PORT); default: start one on 127.0.0.1")
+    p.add_argument("--prefill-resources", type=_resources, default={"CPU": 1})
+    p.add_argument("--decode-resources", type=_resources, default={"CPU": 1})
+    p.add_argument("--kv-transport", choices=["torch", "ray"], default="torch")
+    p.add_argument("--routing", choices=["prefix", "round-robin"], default="prefix")
+    p.add_argument("--worker-threads", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream a completion from a running server")
+    p.add_argument("prompt")
+    p.add_argument("--server", default=DEFAULT_SERVER)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+
+
+def serve(args: argparse.Namespace) -> int:
+    from router.server import ServeConfig, serve_forever
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = ServeConfig(
+            model=args.model, host=args.host, port=args.port, prefill_workers=args.prefill_workers,
+            decode_workers=args.decode_workers, colocated_workers=args.colocated_workers,
+            ray_address=args.ray_address, prefill_resources=args.prefill_resources,
+            decode_resources=args.decode_resources, kv_transport=args.kv_transport, routing=args.routing,
+            worker_threads=args.worker_threads, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_queue=args.max_queue, device=args.device, dtype=args.dtype)
+    except ValueError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_forever(config))
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from protos.pdserve.v1 import generation_pb2 as pb
+    from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = pb.GenerateRequest(sampling=sampling)
+    if args.chat:
+        req.messages.messages.append(pb.ChatMessage(role="user", content=args.prompt))
+    else:
+        req.prompt = args.prompt
+    with grpc.insecure_channel(args.server) as channel:
+        try:
+            last = None
+            for res in pb_grpc.GenerationStub(channel).Generate(req):
+                print(res.text, end="", flush=True)
+                last = res
+            print()
+            if last is not None:
+                u, t = last.usage, last.timing
+                print(f"[{pb.FinishReason.Name(last.finish_reason)}; {u.prompt_tokens} prompt "
+                      f"({u.cached_prompt_tokens} cached) + {u.completion_tokens} completion tokens; "
+                      f"prefill {last.prefill_worker_id}, decode {last.decode_worker_id}; "
+                      f"prefill {t.prefill_seconds * 1e3:.0f} ms, KV {t.kv_transfer_seconds * 1e3:.1f} ms]",
+                      file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\npdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    return {"serve": serve, "generate": generate}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

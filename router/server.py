@@ -1,0 +1,191 @@
+"""`pdserve serve`: a Ray cluster (joined or started on loopback), the worker pools, and the gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.hub import resolve_model
+from engine.loader import load_config
+from engine.tokenizer import Tokenizer
+from engine.worker_types import node_identity
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.placement import PoolKind
+from router.pool import PoolSpec, refresh_loads, start_workers
+from router.router import Router
+from router.servicer import GenerationServicer, RequestObserver
+from router.validation import Limits
+
+logger = logging.getLogger("pdserve")
+SERVICE = "pdserve.v1.Generation"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocated_workers: int = 0
+    ray_address: str | None = None  # None -> start a single-machine Ray cluster pinned to 127.0.0.1
+    prefill_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    decode_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    kv_transport: str = "torch"
+    routing: str = "prefix"
+    worker_threads: int | None = None  # torch threads per worker; None -> this machine's cores / workers
+    max_model_len: int | None = None
+    num_blocks: int | None = None  # KV blocks per worker; None -> a share of free memory
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # decode/colocated step budget
+    prefill_max_num_batched_tokens: int = 2048  # prefill pool: no decode rows to protect, bigger chunks
+    max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
+    device: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.colocated_workers and (self.prefill_workers or self.decode_workers):
+            raise ValueError("--colocated-workers cannot be mixed with --prefill-workers/--decode-workers; "
+                             "pass --prefill-workers 0 --decode-workers 0")
+        if not self.colocated_workers and not (self.prefill_workers and self.decode_workers):
+            raise ValueError("need at least one prefill and one decode worker (or --colocated-workers N)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill_workers + self.decode_workers + self.colocated_workers
+
+    def engine_config(self, budget: int) -> EngineConfig:
+        threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
+                            max_model_len=self.max_model_len, num_threads=threads,
+                            cache=CacheConfig(self.block_size, self.num_blocks),
+                            scheduler=SchedulerConfig(self.max_num_seqs, budget))
+
+    def pool_specs(self) -> list[PoolSpec]:
+        if self.colocated_workers:
+            return [PoolSpec(PoolKind.COLOCATED, self.colocated_workers,
+                             self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
+        return [PoolSpec(PoolKind.PREFILL, self.prefill_workers,
+                         self.engine_config(self.prefill_max_num_batched_tokens), self.prefill_resources),
+                PoolSpec(PoolKind.DECODE, self.decode_workers,
+                         self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
+
+
+class Server:
+    """One running deployment: Ray pools, router, gRPC server. `start()`, then `stop()`."""
+
+    def __init__(self, config: ServeConfig, observer: RequestObserver | None = None) -> None:
+        self.config = config
+        self.observer = observer
+        self.grpc: grpc.aio.Server | None = None
+        self.router: Router | None = None
+        self.rendezvous = None
+        self.port = config.port
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        c = self.config
+        path = resolve_model(c.model)  # download/convert once, here, before any worker looks for it
+        model = load_config(path)
+        tokenizer = Tokenizer(path)
+        max_model_len = min(c.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size)
+        servicer = GenerationServicer(c.model, tokenizer, limits, c.block_size, self.observer)
+        self.servicer = servicer
+
+        self.grpc = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(servicer, self.grpc)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME), self.grpc)
+        try:
+            self.port = self.grpc.add_insecure_port(f"{c.host}:{c.port}")
+        except RuntimeError as e:
+            raise SystemExit(f"pdserve: cannot listen on {c.host}:{c.port} ({e}); is the port taken? "
+                             "Pass another --port.") from e
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc.start()
+
+        kv_config = self._kv_config()
+        log(f"starting {c.num_workers} workers for {c.model} "
+            f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
+        workers = await start_workers(c.pool_specs(), kv_config)
+        self.router = Router(workers, c.block_size, c.routing, c.max_queue)
+        self.router.start()
+        self._tasks.append(asyncio.ensure_future(refresh_loads(workers, self.router.apply_report)))
+        servicer.router = self.router
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log(f"serving {c.model} on {c.host}:{self.port}")
+
+    def _kv_config(self):
+        from kv_transfer import KVTransferConfig, RendezvousServer
+
+        if self.config.colocated_workers:
+            return None
+        if self.config.kv_transport == "ray":
+            return KVTransferConfig(kv_transport="ray")
+        # NOTE: the store must be reachable from every worker's node: bind it to this node's Ray address.
+        _, host = node_identity()
+        self.rendezvous = RendezvousServer(host, 0)
+        return KVTransferConfig(kv_transport="torch", rendezvous_host=host, rendezvous_port=self.rendezvous.port)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.grpc is not None:
+            await self.grpc.stop(grace=1.0)
+        if self.router is not None:
+            import ray
+
+            for w in self.router.workers.values():
+                ray.kill(w.actor)
+        if self.rendezvous is not None:  # after the workers: they hold clients of it
+            self.rendezvous.close()
+
+
+def init_ray(address: str | None, num_workers: int) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address)
+    else:
+        # NOTE: pinned to loopback: left alone, Ray binds this machine's network address.
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
+                 num_cpus=max(os.cpu_count() or 1, num_workers), log_to_driver=True)
+
+
+def log(msg: str) -> None:
+    print(f"pdserve: {msg}", file=sys.stderr, flush=True)
+
+
+async def serve_forever(config: ServeConfig) -> None:
+    init_ray(config.ray_address, config.num_workers)
+    server = Server(config)
+    await server.start()
+    try:
+        await server.grpc.wait_for_termination()
+    finally:
+        await server.stop()

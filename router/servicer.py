@@ -1,0 +1,100 @@
+"""The `pdserve.v1.Generation` gRPC service: validation, detokenizing, stop strings, status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.placement import PoolKind
+from router.router import RequestState, Router, RouterError, RouterEvent
+from router.stop import StopStringMatcher
+from router.validation import InvalidArgument, Limits, ValidatedRequest, validate_request
+
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+POOL_KINDS = {PoolKind.PREFILL: pb.POOL_KIND_PREFILL, PoolKind.DECODE: pb.POOL_KIND_DECODE,
+              PoolKind.COLOCATED: pb.POOL_KIND_COLOCATED}
+
+
+class RequestObserver:
+    """What the servicer reports about each request (metrics implement it; the default does nothing)."""
+
+    def on_event(self, req: ValidatedRequest, state: RequestState, event: RouterEvent) -> None: ...
+
+    def on_end(self, req: ValidatedRequest, state: RequestState, outcome: str, completion_tokens: int) -> None:
+        ...
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, model_name: str, tokenizer: Tokenizer, limits: Limits, block_size: int,
+                 observer: RequestObserver | None = None) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.block_size = block_size
+        self.router: Router | None = None  # set once every pool is up
+        self.observer = observer or RequestObserver()
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.router is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker pools are still starting; retry")
+        try:
+            req = validate_request(request, self.limits, self.tokenizer)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        stops = StopStringMatcher(req.stop)
+        completion = 0
+        outcome = "cancelled"
+        state: RequestState | None = None
+        stream = self.router.generate(req)
+        try:
+            async for event, state in stream:
+                completion += len(event.token_ids)
+                stop = stops.add(detok.add(event.token_ids))
+                finish = "stop" if stop.stopped else event.finish_reason
+                text = stop.text
+                if finish is not None and not stop.stopped:
+                    tail = stops.flush()
+                    text += tail.text
+                    finish = "stop" if tail.stopped else finish
+                self.observer.on_event(req, state, event)
+                yield self._response(req, state, event.token_ids, text, finish, completion)
+                if finish is not None:
+                    outcome = finish
+                    return
+        except RouterError as e:
+            outcome = "error"
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        finally:
+            await stream.aclose()  # a stop string or a cancel ends the router's stream: it frees the blocks
+            if state is not None:
+                self.observer.on_end(req, state, outcome, completion)
+
+    def _response(self, req: ValidatedRequest, state: RequestState, token_ids: list[int], text: str,
+                  finish: str | None, completion: int) -> pb.GenerateResponse:
+        res = pb.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text)
+        if finish is None:
+            return res
+        t = state.timing
+        res.finish_reason = FINISH[finish]
+        res.usage.CopyFrom(pb.Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=completion,
+                                    cached_prompt_tokens=state.num_cached_tokens))
+        res.prefill_worker_id = state.prefill_worker
+        res.decode_worker_id = state.decode_worker
+        res.timing.CopyFrom(pb.Timing(queue_seconds=t.queue, prefill_seconds=t.prefill,
+                                      kv_transfer_seconds=t.kv_transfer,
+                                      first_decode_step_seconds=t.decode_admit))
+        return res
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):
+        info = pb.ModelInfo(model_name=self.model_name, max_model_len=self.limits.max_model_len,
+                            vocab_size=self.limits.vocab_size, block_size=self.block_size)
+        if self.router is not None:
+            for kind in PoolKind:
+                workers = [w for w in self.router.workers.values() if w.kind is kind and w.alive]
+                if workers:
+                    info.pools.append(pb.Pool(kind=POOL_KINDS[kind], name=kind.value, workers=[
+                        pb.Worker(worker_id=w.worker_id, node_id=w.info.node_id) for w in workers]))
+        return info
