@@ -153,12 +153,12 @@ class Router:
         choice = self._choose_prefill(ids)
         prefill = self.workers[choice.worker_id]
         state.prefill_worker = prefill.worker_id
-        decode, reservation = await self._reserve(req, prefill)
-        state.decode_worker = decode.worker_id
-
+        # NOTE: counted from the moment of choice, so a burst of requests placed together spreads out
         todo = len(ids) - choice.cached_blocks * self.block_size
         prefill.inflight_prefill_tokens += todo
         try:
+            decode, reservation = await self._reserve(req, prefill)
+            state.decode_worker = decode.worker_id
             result = await self._call(prefill, prefill.actor.prefill.remote(
                 rid, ids, req.params, reservation.kv_address, reservation.block_ids,
                 reservation.num_cached_blocks))

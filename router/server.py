@@ -62,8 +62,8 @@ class ServeConfig:
                              "pass --prefill-workers 0 --decode-workers 0")
         if not self.colocated_workers and not (self.prefill_workers and self.decode_workers):
             raise ValueError("need at least one prefill and one decode worker (or --colocated-workers N)")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
 
     @property
     def num_workers(self) -> int:
@@ -156,23 +156,36 @@ class Server:
         if self.router is not None:
             import ray
 
-            for w in self.router.workers.values():
+            workers = list(self.router.workers.values())
+            # let each worker close its KV links cleanly before the processes go
+            await asyncio.wait([asyncio.ensure_future(w.actor.shutdown.remote()) for w in workers], timeout=10)
+            for w in workers:
                 ray.kill(w.actor)
         if self.rendezvous is not None:  # after the workers: they hold clients of it
             self.rendezvous.close()
 
 
-def init_ray(address: str | None, num_workers: int) -> None:
-    import ray
+def pin_ray_to_loopback() -> None:
+    """Make a Ray cluster started by this process live on 127.0.0.1. Call before `import ray`.
 
+    NOTE: `ray.init(_node_ip_address="127.0.0.1")` alone is not enough: Ray "resolves" a loopback address
+    to the machine's routable IP unless its single-machine mode is on, which this variable turns on.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def init_ray(address: str | None, num_workers: int) -> None:
+    if address is None:
+        pin_ray_to_loopback()
+    import ray
+
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address)
     else:
-        # NOTE: pinned to loopback: left alone, Ray binds this machine's network address.
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
                  num_cpus=max(os.cpu_count() or 1, num_workers), log_to_driver=True)
 

@@ -11,6 +11,9 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# NOTE: without this, Ray "resolves" _node_ip_address=127.0.0.1 to the machine's network address, and
+# tests must only ever talk over loopback (see router.server.pin_ray_to_loopback).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +24,7 @@ def ray_cluster():
     if not ray.is_initialized():
         ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
                  log_to_driver=True, runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    assert ray.util.get_node_ip_address() == "127.0.0.1", "the test Ray cluster must live on loopback"
     yield ray
     ray.shutdown()
 

@@ -1,0 +1,395 @@
+"""The engine against transformers `generate` on CPU, side by side in one process (issue #2).
+
+    python -m benchmarks.engine_bench            # the full run, a table (about 6-8 minutes)
+    python -m benchmarks.engine_bench --quick    # a smoke run with small sizes (under a minute)
+    python -m benchmarks.engine_bench --json     # one JSON object on stdout instead of the table
+
+Both sides run SmolLM2-135M in float32 from the same weights (transformers loads the HF directory that
+`engine.hub.ensure_smollm2()` writes) with the same torch thread count, which `torch.set_num_threads` sets
+for the whole process. Progress lines go to stderr.
+
+Decisions, so the numbers can be argued with:
+
+- Noise. The machine is shared, so absolute numbers drift with its load. Every measurement alternates
+  engine and HF repetition by repetition and keeps each side's best; the ratios are the result.
+- Decode is timed per step, away from prefill. Engine: the wall time of `LLMEngine.step()` (schedule,
+  model, sample, update) over the steps in which every sequence decodes. HF: the interval between two
+  calls of a logits processor inside one `generate`, i.e. one forward plus the greedy pick. Each side
+  reports its median step; tok/s = batch / step. Prompts are 32-64 random tokens, left padded with an
+  attention mask for HF; EOS is ignored on both sides (`ignore_eos`, and HF's `eos_token_id` cleared).
+- The mixed workload (64 requests, prompts 32-512, outputs 16-256 tokens, seeded): the engine gets all
+  of them at once and batches continuously. HF's baseline is static batches of 8 requests in arrival
+  order, left padded, each batch generating until its longest request is done; only the tokens each
+  request asked for count. Why this baseline: `generate` has no continuous batching; arrival order is
+  what a server sees (grouping by output length would need to know the lengths in advance); batch 8
+  keeps padding and the run-to-the-longest waste moderate while still batching. `--hf-batch` changes it.
+  Throughput is output tokens / wall time of the whole workload, prefill included.
+- Prefill: the engine runs one request with `max_tokens=1` as one step (its token budget is 2,048, so
+  the prompt is never chunked); HF runs one forward with `logits_to_keep=1` (what `generate` does for
+  its prefill), filling its KV cache. A fresh random prompt each repetition, so no prefix cache hits.
+- Roofline: a batch-1 decode step must stream every layer matrix and norm, the final norm and lm_head
+  (not the embedding table: one row of it). That many bytes divided by the measured copy bandwidth (a
+  512 MB tensor copy, read plus write bytes per second) is the fastest a step can be; our batch-1 step
+  is reported as a fraction of it.
+- One engine serves all three workloads, with max_num_batched_tokens = 2,048 and max_num_seqs = 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine.config import cdiv
+from engine.hub import ensure_smollm2
+from engine.models.llama import LlamaForCausalLM
+
+MODEL = "smollm2-135m"
+PAD_ID = 0
+FIRST_PROMPT_ID = 100  # random prompt tokens stay clear of SmolLM2's special tokens (ids 0-16)
+BLOCK_SIZE = 16
+COPY_BYTES = 512 * 2**20
+
+Prompt = list[int]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    threads: int = 2  # torch intra-op threads, for both sides
+    decode_batches: tuple[int, ...] = (1, 8, 32)
+    decode_prompt_len: tuple[int, int] = (32, 64)  # varied, so HF's batch really is padded
+    decode_tokens: int = 64  # new tokens per decode run
+    decode_reps: int = 2
+    mixed_requests: int = 64
+    mixed_prompt_len: tuple[int, int] = (32, 512)
+    mixed_output_len: tuple[int, int] = (16, 256)
+    hf_batch: int = 8  # HF's static batch size in the mixed workload
+    prefill_lens: tuple[int, ...] = (128, 512, 2048)
+    prefill_reps: int = 3
+    max_num_batched_tokens: int = 2048  # the engine's per-step token budget
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < max(self.prefill_lens):
+            raise ValueError("BenchConfig.max_num_batched_tokens must cover the longest prefill "
+                             f"({max(self.prefill_lens)}), got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < max(self.decode_batches) * self.decode_prompt_len[1]:
+            raise ValueError("BenchConfig.max_num_batched_tokens must fit a whole decode batch's prompts")
+
+
+QUICK = BenchConfig(decode_batches=(1, 8), decode_tokens=8, decode_reps=1, mixed_requests=8,
+                    mixed_prompt_len=(16, 128), mixed_output_len=(4, 24), prefill_lens=(128, 512),
+                    prefill_reps=1)
+
+
+@dataclass(frozen=True)
+class MixedRequest:
+    prompt: Prompt
+    max_tokens: int
+
+
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> Prompt:
+    return [rng.randrange(FIRST_PROMPT_ID, vocab) for _ in range(length)]
+
+
+def mixed_workload(cfg: BenchConfig, rng: random.Random, vocab: int) -> list[MixedRequest]:
+    return [MixedRequest(random_prompt(rng, rng.randint(*cfg.mixed_prompt_len), vocab),
+                         rng.randint(*cfg.mixed_output_len)) for _ in range(cfg.mixed_requests)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+# -- loading ------------------------------------------------------------------------------------------------
+
+def load_engine(cfg: BenchConfig, mixed: Sequence[MixedRequest]) -> LLMEngine:
+    # enough blocks that nothing is ever preempted: the whole mixed workload resident at once
+    num_blocks = 64 + max(
+        sum(cdiv(len(r.prompt) + r.max_tokens, BLOCK_SIZE) for r in mixed),
+        max(cfg.decode_batches) * cdiv(cfg.decode_prompt_len[1] + cfg.decode_tokens, BLOCK_SIZE),
+        cdiv(max(cfg.prefill_lens) + 1, BLOCK_SIZE),
+    )
+    return LLMEngine(EngineConfig(
+        model=MODEL, device="cpu", dtype="float32", num_threads=cfg.threads, seed=cfg.seed,
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=cfg.max_num_batched_tokens),
+    ))
+
+
+def load_hf() -> transformers.PreTrainedModel:
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    hf = AutoModelForCausalLM.from_pretrained(str(ensure_smollm2()), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # ignore EOS, like the engine's ignore_eos
+    hf.generation_config.pad_token_id = PAD_ID
+    return hf
+
+
+# -- the engine -------------------------------------------------------------------------------------------
+
+def engine_decode_step(engine: LLMEngine, prompts: Sequence[Prompt], new_tokens: int) -> float:
+    """Median seconds of one engine step among the steps in which every sequence decodes."""
+    for p in prompts:
+        engine.add_request(p, greedy(new_tokens))
+    steps = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        out, _ = engine.step()
+        dt = time.perf_counter() - t0
+        if len(out.chunks) == len(prompts) and all(c.num_tokens == 1 for c in out.chunks):
+            steps.append(dt)
+    return statistics.median(steps)
+
+
+def engine_mixed(engine: LLMEngine, reqs: Sequence[MixedRequest]) -> float:
+    """Seconds to finish the whole workload, all requests submitted at once."""
+    t0 = time.perf_counter()
+    handles = [engine.add_request(r.prompt, greedy(r.max_tokens)) for r in reqs]
+    while engine.has_unfinished_requests():
+        engine.step()
+    dt = time.perf_counter() - t0
+    assert all(len(h.output_token_ids) == r.max_tokens for h, r in zip(handles, reqs))
+    return dt
+
+
+def engine_prefill(engine: LLMEngine, prompt: Prompt) -> float:
+    engine.add_request(prompt, greedy(1))
+    t0 = time.perf_counter()
+    out, _ = engine.step()
+    dt = time.perf_counter() - t0
+    assert out.num_tokens == len(prompt) and not engine.has_unfinished_requests(), "prefill was chunked"
+    return dt
+
+
+# -- transformers -----------------------------------------------------------------------------------------
+
+class StepClock(LogitsProcessor):
+    """Timestamps every generation step: `generate` calls it once per step, right after the forward."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def left_pad(prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask, both [batch, longest prompt]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def hf_generate(hf: transformers.PreTrainedModel, prompts: Sequence[Prompt], new_tokens: int,
+                clock: StepClock | None = None) -> None:
+    ids, mask = left_pad(prompts)
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                          logits_processor=LogitsProcessorList([clock] if clock else []))
+    assert out.shape[1] == ids.shape[1] + new_tokens, "HF stopped early: EOS was not ignored"
+
+
+def hf_decode_step(hf: transformers.PreTrainedModel, prompts: Sequence[Prompt], new_tokens: int) -> float:
+    clock = StepClock()
+    hf_generate(hf, prompts, new_tokens, clock)
+    return statistics.median(b - a for a, b in itertools.pairwise(clock.times))
+
+
+def hf_mixed(hf: transformers.PreTrainedModel, reqs: Sequence[MixedRequest], batch: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        group = reqs[i:i + batch]
+        hf_generate(hf, [r.prompt for r in group], max(r.max_tokens for r in group))
+    return time.perf_counter() - t0
+
+
+def hf_prefill(hf: transformers.PreTrainedModel, prompt: Prompt) -> float:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        return timed(lambda: hf(ids, logits_to_keep=1))
+
+
+# -- the roofline -----------------------------------------------------------------------------------------
+
+def copy_bandwidth(num_bytes: int = COPY_BYTES, reps: int = 5) -> float:
+    """Bytes per second of a large tensor copy, counting both the bytes read and the bytes written."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    return 2 * num_bytes / min(timed(lambda: dst.copy_(src)) for _ in range(reps))
+
+
+def decode_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes a batch-1 decode step streams: every layer's weights, the final norm, lm_head, one embedding row."""
+    tensors = [model.norm, model.lm_head, model.embed[0]]
+    for layer in model.layers:
+        tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+
+def best_of(inputs: Sequence[T], engine_fn: Callable[[T], float],
+            hf_fn: Callable[[T], float]) -> tuple[float, float]:
+    """Each side's fastest run, one run per input, the sides alternating so they see the same load."""
+    engine_t, hf_t = [], []
+    for x in inputs:
+        engine_t.append(engine_fn(x))
+        hf_t.append(hf_fn(x))
+    return min(engine_t), min(hf_t)
+
+
+def bench_decode(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTrainedModel,
+                 rng: random.Random, vocab: int) -> dict[str, dict[str, float]]:
+    results = {}
+    n = cfg.decode_tokens
+    for batch in cfg.decode_batches:
+        prompts = [random_prompt(rng, rng.randint(*cfg.decode_prompt_len), vocab) for _ in range(batch)]
+        e, h = best_of([prompts] * cfg.decode_reps, lambda p: engine_decode_step(engine, p, n),
+                       lambda p: hf_decode_step(hf, p, n))
+        results[str(batch)] = {"engine_step_ms": e * 1e3, "hf_step_ms": h * 1e3,
+                               "engine_tok_s": batch / e, "hf_tok_s": batch / h}
+        progress(f"decode batch {batch}: engine {e * 1e3:.1f} ms/step, HF {h * 1e3:.1f} ms/step")
+    return results
+
+
+def bench_mixed(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTrainedModel,
+                reqs: Sequence[MixedRequest]) -> dict[str, float]:
+    tokens = sum(r.max_tokens for r in reqs)
+    progress(f"mixed: {len(reqs)} requests, {sum(len(r.prompt) for r in reqs)} prompt tokens, "
+             f"{tokens} output tokens; engine first")
+    e = engine_mixed(engine, reqs)
+    progress(f"mixed: engine {e:.1f}s; now HF in static batches of {cfg.hf_batch}")
+    h = hf_mixed(hf, reqs, cfg.hf_batch)
+    progress(f"mixed: HF {h:.1f}s")
+    return {"requests": len(reqs), "output_tokens": tokens, "hf_batch": cfg.hf_batch,
+            "engine_s": e, "hf_s": h, "engine_tok_s": tokens / e, "hf_tok_s": tokens / h}
+
+
+def bench_prefill(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTrainedModel,
+                  rng: random.Random, vocab: int) -> dict[str, dict[str, float]]:
+    results = {}
+    for n in cfg.prefill_lens:
+        # a fresh prompt each repetition, so the engine's prefix cache never hits
+        prompts = [random_prompt(rng, n, vocab) for _ in range(cfg.prefill_reps)]
+        e, h = best_of(prompts, lambda p: engine_prefill(engine, p), lambda p: hf_prefill(hf, p))
+        results[str(n)] = {"engine_ms": e * 1e3, "hf_ms": h * 1e3, "engine_tok_s": n / e, "hf_tok_s": n / h}
+        progress(f"prefill {n}: engine {e * 1e3:.0f} ms, HF {h * 1e3:.0f} ms")
+    return results
+
+
+def bench_roofline(engine: LLMEngine, engine_b1_step_s: float) -> dict[str, float]:
+    nbytes = decode_bytes(engine.model)
+    bandwidth = copy_bandwidth()
+    step = nbytes / bandwidth
+    progress(f"roofline: {nbytes / 1e6:.1f} MB per step / {bandwidth / 1e9:.1f} GB/s = {step * 1e3:.1f} ms")
+    return {"bytes_per_step": nbytes, "copy_gb_s": bandwidth / 1e9, "step_ms": step * 1e3,
+            "tok_s": 1 / step, "engine_fraction": step / engine_b1_step_s}
+
+
+def warm_up(engine: LLMEngine, hf: transformers.PreTrainedModel, rng: random.Random, vocab: int) -> None:
+    """One-time costs (oneDNN kernel selection, first allocations) stay out of every measurement."""
+    prompts = [random_prompt(rng, 40, vocab) for _ in range(2)]
+    engine_decode_step(engine, prompts, 4)
+    hf_decode_step(hf, prompts, 4)
+
+
+def run(cfg: BenchConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    progress(f"loading {MODEL} (fp32) into transformers and into the engine, {cfg.threads} threads")
+    hf = load_hf()
+    vocab = hf.config.vocab_size
+    rng = random.Random(cfg.seed)
+    mixed = mixed_workload(cfg, rng, vocab)
+    engine = load_engine(cfg, mixed)
+    warm_up(engine, hf, rng, vocab)
+
+    decode = bench_decode(cfg, engine, hf, rng, vocab)
+    mixed_result = bench_mixed(cfg, engine, hf, mixed)
+    prefill = bench_prefill(cfg, engine, hf, rng, vocab)
+    roofline = bench_roofline(engine, decode["1"]["engine_step_ms"] / 1e3)
+    longest = prefill.get("2048")
+    return {
+        "decode_b1_vs_hf": decode["1"]["engine_tok_s"] / decode["1"]["hf_tok_s"],
+        "mixed_throughput_vs_hf": mixed_result["engine_tok_s"] / mixed_result["hf_tok_s"],
+        "prefill_2048_vs_hf": longest["engine_tok_s"] / longest["hf_tok_s"] if longest else None,
+        "decode_b1_vs_roofline": roofline["engine_fraction"],
+        "model": MODEL, "dtype": "float32", "threads": cfg.threads, "torch": torch.__version__,
+        "transformers": transformers.__version__, "config": dataclasses.asdict(cfg),
+        "decode": decode, "mixed": mixed_result, "prefill": prefill, "roofline": roofline,
+    }
+
+
+def table(r: dict) -> str:
+    rows = [f"{MODEL} float32 on CPU, torch {r['torch']} with {r['threads']} threads, "
+            f"transformers {r['transformers']}",
+            f"{'':<30}{'engine':>12}{'transformers':>14}{'ratio':>9}"]
+
+    def row(label: str, engine: float, hf: float, unit: str) -> None:
+        rows.append(f"{label:<30}{engine:>9.1f}{unit:>3}{hf:>11.1f}{unit:>3}{engine / hf:>8.2f}x")
+
+    for batch, d in r["decode"].items():
+        row(f"decode batch {batch} (tok/s)", d["engine_tok_s"], d["hf_tok_s"], "")
+    m = r["mixed"]
+    row(f"mixed {m['requests']} req (output tok/s)", m["engine_tok_s"], m["hf_tok_s"], "")
+    for n, p in r["prefill"].items():
+        row(f"prefill {n} (tok/s)", p["engine_tok_s"], p["hf_tok_s"], "")
+    f = r["roofline"]
+    rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s copy "
+                f"= {f['step_ms']:.1f} ms ({f['tok_s']:.0f} tok/s); engine batch 1 = "
+                f"{100 * f['engine_fraction']:.0f}% of it")
+    rows.append(f"mixed: HF in static batches of {m['hf_batch']}, engine {m['engine_s']:.1f}s vs HF "
+                f"{m['hf_s']:.1f}s for {m['output_tokens']} output tokens")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run with small sizes")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default 2)")
+    parser.add_argument("--hf-batch", type=int, default=None, help="HF's static batch in the mixed workload")
+    args = parser.parse_args(argv)
+    cfg = dataclasses.replace(QUICK if args.quick else BenchConfig(), threads=args.threads)
+    if args.hf_batch is not None:
+        cfg = dataclasses.replace(cfg, hf_batch=args.hf_batch)
+    result = run(cfg)
+    progress("done")
+    print(json.dumps(result, indent=2) if args.json else table(result))
+
+
+if __name__ == "__main__":
+    main()

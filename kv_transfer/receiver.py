@@ -1,0 +1,249 @@
+"""The receiver core, shared by every transport: dispatch incoming messages, scatter layers into place.
+
+A transport reads messages off its links and hands each to `handle`; the core matches BEGIN to a transfer
+the decode worker announced with `expect` (checking the layout and the block ids against its own cache),
+scatters each LAYER straight into the reserved, non-contiguous destination blocks, and finishes the
+transfer when every layer has landed. Replies (PONG, ACK, NACK) are queued per link and sent by the link's
+own thread (`take_replies`), so only that thread ever writes to a link.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import KVCache
+from kv_transfer.base import KVReceiver, TransferResult, TransferStatus
+from kv_transfer.book import TransferBook, TransferState
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.layout import LayoutMismatch, TransferDescriptor, from_bytes, scatter_layer
+from kv_transfer.wire import Header, LinkError, MsgKind, RecvLink
+
+_MAX_ENDED = 4096
+
+
+@dataclass(eq=False)
+class _RecvState(TransferState):
+    dst_index: torch.Tensor | None = None  # [num_blocks] int64 on the cache's device
+    link: RecvLink | None = None  # bound by the sender's BEGIN
+    seq: int = -1
+    descriptor: TransferDescriptor | None = None
+    landed: set[int] = field(default_factory=set)
+
+
+class LayerwiseReceiver(KVReceiver):
+    """Transport-independent `KVReceiver`; subclasses run the links and call `handle`."""
+
+    def __init__(self, endpoint_id: str, cache: KVCache, config: KVTransferConfig) -> None:
+        if not endpoint_id:
+            raise ValueError("endpoint_id must name this receiver")
+        self.endpoint_id = endpoint_id
+        self.cache = cache
+        self.config = config
+        self._book: TransferBook[_RecvState] = TransferBook(f"kv-recv-{endpoint_id}", self._on_expire)
+        self._lock = self._book.lock
+        self._bound: dict[RecvLink, dict[int, _RecvState]] = {}  # link -> seq -> transfer
+        self._replies: dict[RecvLink, list[tuple[Header, bytes]]] = {}
+        # why recent transfers failed before their sender began, so a late BEGIN is refused with the reason
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._closed = False
+        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+
+    # ---- the worker's API ----
+
+    def expect(self, request_id: str, src: str, dst_block_ids: Sequence[int], deadline: float) -> None:
+        ids = tuple(int(b) for b in dst_block_ids)
+        bad = [b for b in ids if not 0 <= b < self.cache.num_blocks]
+        if bad:
+            raise ValueError(f"dst_block_ids {bad} outside the cache's {self.cache.num_blocks} blocks")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"dst_block_ids of {request_id!r} repeat a block: {ids}")
+        state = _RecvState(request_id, src, ids, deadline)
+        state.dst_index = torch.tensor(ids, dtype=torch.int64, device=self.cache.device)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"KV receiver {self.endpoint_id!r} is closed")
+            self._book.add_locked(state)
+            if not ids:  # everything was in the prefix cache
+                self._book.finish_locked(state, None)
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self._book.poll(request_id)
+
+    def wait(self, request_id: str, timeout: float) -> TransferResult:
+        return self._book.wait(request_id, timeout)
+
+    def pop_finished(self) -> list[TransferResult]:
+        return self._book.pop_finished()
+
+    def abort(self, request_id: str, reason: str = "aborted by the receiver") -> None:
+        with self._lock:
+            state = self._book.get_locked(request_id)
+            if state is not None:
+                self._fail_locked(state, f"transfer {request_id!r}: {reason}", tell_peer=True)
+
+    def _close_transfers(self) -> bool:
+        """Fail everything in flight; False if already closed. Subclasses' `close` starts with this."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            for state in self._book.active_locked():
+                self._fail_locked(state, f"transfer {state.request_id!r}: receiver closed", tell_peer=True)
+        return True
+
+    # ---- called by the transport's link threads ----
+
+    def handle(self, link: RecvLink, header: Header, read_payload: Callable[[], torch.Tensor]) -> None:
+        """Dispatch one message from `link`. `read_payload()` returns its payload as flat uint8 (valid until
+        the link's next message) and may be called once; the transport discards a payload left unread.
+        Raises LinkError when the link is broken or the sender broke the protocol."""
+        kind = header.kind
+        if kind == MsgKind.PING:
+            with self._lock:
+                self._reply_locked(link, Header(MsgKind.PONG), b"")
+        elif kind == MsgKind.BEGIN:
+            self._on_begin(link, header.seq, read_payload().cpu().numpy().tobytes())
+        elif kind == MsgKind.LAYER:
+            self._on_layer(link, header, read_payload)
+        elif kind == MsgKind.ABORT:
+            try:
+                abort = json.loads(read_payload().cpu().numpy().tobytes())
+                request_id, reason = str(abort["request_id"]), str(abort["reason"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise LinkError(f"malformed ABORT from sender {link.peer_id!r}") from e
+            with self._lock:
+                state = self._bound.get(link, {}).get(header.seq)
+                if state is None:  # aborted before its BEGIN went out
+                    state = self._book.get_locked(request_id)
+                    if state is None or state.link is not None or state.peer_id != link.peer_id:
+                        return
+                self._fail_locked(state, f"the sender gave up: {reason}", tell_peer=False)
+        else:
+            raise LinkError(f"unexpected {kind.name} from sender {link.peer_id!r}")
+
+    def take_replies(self, link: RecvLink) -> list[tuple[Header, bytes]]:
+        with self._lock:
+            return self._replies.pop(link, [])
+
+    def link_failed(self, link: RecvLink, reason: str) -> None:
+        """The link is gone: fail its transfers (their blocks may hold partial KV)."""
+        with self._lock:
+            for state in list(self._bound.pop(link, {}).values()):
+                self._finish_locked(state, f"transfer {state.request_id!r}: link from sender "
+                                           f"{link.peer_id!r} broke: {reason}")
+            self._replies.pop(link, None)
+
+    # ---- messages ----
+
+    def _on_begin(self, link: RecvLink, seq: int, raw: bytes) -> None:
+        with self._lock:
+            try:
+                desc = TransferDescriptor.from_bytes(raw)
+            except ValueError as e:
+                self._reply_locked(link, Header(MsgKind.NACK, seq), str(e).encode())
+                return
+            state = self._book.get_locked(desc.request_id)
+            refusal = None
+            if state is None and desc.request_id in self._ended:
+                refusal = self._ended.pop(desc.request_id)
+            elif state is None:
+                refusal = (f"receiver {self.endpoint_id!r} expects no transfer {desc.request_id!r} (expect() "
+                           "must come before the sender's begin, and a finished one cannot restart)")
+            elif state.peer_id != link.peer_id:
+                refusal = f"transfer {desc.request_id!r} is expected from {state.peer_id!r}, not {link.peer_id!r}"
+            elif state.link is not None:
+                refusal = f"transfer {desc.request_id!r} was already begun"
+            if refusal is not None:
+                self._reply_locked(link, Header(MsgKind.NACK, seq), refusal.encode())
+                return
+            assert state is not None
+            state.link, state.seq = link, seq
+            try:
+                desc.check_fits(self.cache.spec, state.block_ids)
+            except LayoutMismatch as e:
+                self._fail_locked(state, f"transfer {desc.request_id!r} refused: {e}", tell_peer=True)
+                return
+            state.descriptor = desc
+            self._bound.setdefault(link, {})[seq] = state
+
+    def _on_layer(self, link: RecvLink, header: Header, read_payload: Callable[[], torch.Tensor]) -> None:
+        with self._lock:
+            state = self._bound.get(link, {}).get(header.seq)
+            if state is None:
+                return  # ended here already (failed or aborted): drop the bytes
+            desc = state.descriptor
+            assert desc is not None and state.dst_index is not None
+            if not desc.layer_start <= header.layer < desc.layer_stop or header.nbytes != desc.layer_nbytes:
+                self._fail_locked(state, f"transfer {state.request_id!r}: malformed layer message (layer "
+                                         f"{header.layer}, {header.nbytes} bytes)", tell_peer=True)
+                return
+        packed = from_bytes(read_payload(), desc)  # [2, n, block_size, num_kv_heads, head_dim]
+        if time.monotonic() > state.deadline:
+            # NOTE: a layer arriving late never lands, even if the watchdog has not run yet (e.g. this
+            # process was paused): the sender already gave up on its own deadline.
+            with self._lock:
+                if not state.status.is_finished:
+                    self._on_expire(state)
+            return
+        with state.io_lock:
+            if state.status.is_finished:
+                return  # failed while the bytes were in flight: its blocks are the worker's again
+            duplicate = header.layer in state.landed
+            if not duplicate:
+                self._scatter(state.dst_index, header.layer, packed)
+                state.landed.add(header.layer)
+                if state.status == TransferStatus.PENDING:
+                    state.status = TransferStatus.TRANSFERRING
+            complete = len(state.landed) == desc.layer_stop - desc.layer_start
+        if duplicate or complete:
+            with self._lock:
+                if duplicate:
+                    self._fail_locked(state, f"transfer {state.request_id!r}: layer {header.layer} arrived "
+                                             "twice", tell_peer=True)
+                elif self._finish_locked(state, None):
+                    self._reply_locked(link, Header(MsgKind.ACK, state.seq), b"")
+
+    def _scatter(self, dst_index: torch.Tensor, layer: int, packed: torch.Tensor) -> None:
+        if self._stream is None:
+            scatter_layer(self.cache.tensor, layer, dst_index, packed)
+            return
+        with torch.cuda.stream(self._stream):
+            scatter_layer(self.cache.tensor, layer, dst_index, packed.to(self.cache.device, non_blocking=True))
+        # NOTE: synchronous, so that DONE means visible to every stream, nothing is written after a
+        # transfer is reported finished, and the link may reuse its receive buffer at once.
+        self._stream.synchronize()
+
+    # ---- state changes (caller holds self._lock) ----
+
+    def _finish_locked(self, state: _RecvState, error: str | None) -> bool:
+        if not self._book.finish_locked(state, error):
+            return False
+        if state.link is not None:
+            self._bound.get(state.link, {}).pop(state.seq, None)
+        elif error is not None:
+            self._ended[state.request_id] = error
+            while len(self._ended) > _MAX_ENDED:
+                self._ended.popitem(last=False)
+        return True
+
+    def _fail_locked(self, state: _RecvState, reason: str, tell_peer: bool) -> None:
+        if self._finish_locked(state, reason) and tell_peer and state.link is not None:
+            self._reply_locked(state.link, Header(MsgKind.NACK, state.seq), reason.encode())
+
+    def _reply_locked(self, link: RecvLink, header: Header, payload: bytes) -> None:
+        self._replies.setdefault(link, []).append((header._replace(nbytes=len(payload)), payload))
+
+    def _on_expire(self, state: _RecvState) -> None:
+        if state.descriptor is None:
+            progress = "before the sender began"
+        else:
+            progress = f"with {len(state.landed)}/{state.descriptor.layer_stop - state.descriptor.layer_start} " \
+                       "layers landed"
+        self._fail_locked(state, f"transfer {state.request_id!r} from {state.peer_id!r}: deadline passed "
+                                 f"{progress}", tell_peer=True)

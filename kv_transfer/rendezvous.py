@@ -1,0 +1,77 @@
+"""Where the two sides of a pair meet: one TCPStore (the router hosts it), one accept queue per receiver.
+
+No global world is ever formed, so pools grow and shrink freely. A receiver listens on its own queue in the
+store, named by its endpoint id and a random incarnation (a restarted worker never inherits a dead one's
+requests). To open a link, a sender pushes a `LinkRequest` with a fresh link id onto that queue; both sides
+then build a two-rank group under the store prefix `<namespace>/link/<link id>`, the sender as rank 0 and
+the receiver as rank 1. The link id is unique, so no two groups ever share keys and neither side has to
+agree with the other on any counter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+from torch.distributed import TCPStore
+
+
+class RendezvousServer:
+    """The store every pair meets at. One per deployment; the router owns it and its lifetime."""
+
+    def __init__(self, host: str, port: int = 0) -> None:
+        # NOTE: wait_for_workers=False: clients come and go with the pools, there is no fixed world size.
+        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        return self._store.port
+
+    def close(self) -> None:
+        del self._store
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    """A client of the rendezvous store; `timeout_s` bounds connecting and every blocking call on it."""
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def accept_queue_key(namespace: str, endpoint_id: str, incarnation: str) -> str:
+    return f"{namespace}/accept/{endpoint_id}/{incarnation}"
+
+
+def link_prefix(namespace: str, link_id: str) -> str:
+    return f"{namespace}/link/{link_id}"
+
+
+def device_tag(device: torch.device) -> str:
+    """'cpu', or 'cuda:<gpu uuid>' so two processes can tell whether they share a GPU."""
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def use_nccl(sender_device: str, receiver_device: str) -> bool:
+    """NCCL between two different GPUs; otherwise gloo, staging CUDA layers through host memory.
+    NOTE: NCCL refuses two ranks on one GPU (a single-GPU dev box running both pools)."""
+    return (sender_device.startswith("cuda:") and receiver_device.startswith("cuda:")
+            and sender_device != receiver_device)
+
+
+@dataclass(frozen=True)
+class LinkRequest:
+    """What a sender pushes onto a receiver's accept queue."""
+
+    sender: str  # the sender's endpoint id
+    link_id: str
+    device: str  # the sender's device_tag
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> LinkRequest:
+        return cls(**json.loads(raw))

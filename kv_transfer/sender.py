@@ -1,0 +1,326 @@
+"""The sender core, shared by every transport: layer-wise push over one link per receiver.
+
+`begin` registers a transfer and queues its descriptor; `send_layer` (called by the model right after a
+layer's KV is written) queues that layer and returns. Per receiver, one link thread connects, then drains
+the queue in order: it packs each layer's source blocks into one buffer (`index_select`) and sends it, so
+the transfer runs while the model computes the next layers; a second thread reads the receiver's replies
+(ACK finishes a transfer, NACK fails it). Many transfers share the link, told apart by their `seq`.
+
+A transport subclass only says how to open a link (`_connect`); everything about transfers lives here.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import queue
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from engine.kv_cache import KVCache
+from kv_transfer.base import KVSender, PeerAddress, TransferResult, TransferStatus
+from kv_transfer.book import TransferBook, TransferState
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.layout import TransferDescriptor, as_bytes, pack_layer
+from kv_transfer.wire import Header, LinkError, MsgKind, SendLink, bytes_tensor
+
+
+class _Op(enum.Enum):
+    BEGIN = enum.auto()
+    LAYER = enum.auto()
+    ABORT = enum.auto()
+    STOP = enum.auto()  # close the link politely (BYE)
+    WAKE = enum.auto()  # the link died elsewhere: let the send loop notice
+
+
+@dataclass(eq=False)
+class _SendState(TransferState):
+    descriptor: TransferDescriptor | None = None
+    src_index: torch.Tensor | None = None  # [num_blocks] int64 on the cache's device
+    link: _LinkWorker | None = None
+    seq: int = -1
+    layers_requested: set[int] = field(default_factory=set)
+    layers_sent: int = 0
+
+
+class _Item(NamedTuple):
+    op: _Op
+    state: _SendState | None = None
+    layer: int = 0
+    event: torch.cuda.Event | None = None  # CUDA: recorded on the compute stream after the layer was written
+    reason: str = ""
+
+
+class _LinkWorker:
+    """One link to one receiver: the outgoing queue, the transfers on it by seq, and its threads."""
+
+    def __init__(self, dst: PeerAddress) -> None:
+        self.dst = dst
+        self.queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self.transfers: dict[int, _SendState] = {}
+        self.next_seq = 0
+        self.dead = False
+        self.connected = False
+        self.thread: threading.Thread | None = None
+
+
+class LayerwiseSender(KVSender):
+    """Transport-independent `KVSender`; subclasses implement `_connect`."""
+
+    transport: str  # which PeerAddress.transport this sender can reach
+
+    def __init__(self, endpoint_id: str, cache: KVCache, config: KVTransferConfig) -> None:
+        if not endpoint_id:
+            raise ValueError("endpoint_id must name this sender")
+        self.endpoint_id = endpoint_id
+        self.cache = cache
+        self.config = config
+        self._book: TransferBook[_SendState] = TransferBook(f"kv-send-{endpoint_id}", self._on_expire)
+        self._lock = self._book.lock
+        self._links: dict[tuple[str, str], _LinkWorker] = {}  # (endpoint_id, incarnation) -> link
+        self._closed = False
+        # NOTE: packing runs on its own stream so it overlaps the next layers' compute; it waits for the
+        # layer's compute through the event `send_layer` records.
+        self._stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+
+    @abstractmethod
+    def _connect(self, dst: PeerAddress) -> SendLink:
+        """Open a link to `dst`, blocking at most `connect_timeout_s`; runs on the link's own thread."""
+
+    # ---- the worker's API ----
+
+    def begin(self, request_id: str, dst: PeerAddress, src_block_ids: Sequence[int],
+              dst_block_ids: Sequence[int], deadline: float) -> None:
+        if dst.transport != self.transport:
+            raise ValueError(f"dst is a {dst.transport!r} receiver; this sender speaks {self.transport!r}")
+        src, dst_ids = tuple(int(b) for b in src_block_ids), tuple(int(b) for b in dst_block_ids)
+        if len(src) != len(dst_ids):
+            raise ValueError(f"src_block_ids ({len(src)}) and dst_block_ids ({len(dst_ids)}) must pair up")
+        bad = [b for b in src if not 0 <= b < self.cache.num_blocks]
+        if bad:
+            raise ValueError(f"src_block_ids {bad} outside the cache's {self.cache.num_blocks} blocks")
+        state = _SendState(request_id, dst.endpoint_id, src, deadline)
+        if src:
+            state.descriptor = TransferDescriptor.for_spec(request_id, self.cache.spec, dst_ids)
+            state.src_index = torch.tensor(src, dtype=torch.int64, device=self.cache.device)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"KV sender {self.endpoint_id!r} is closed")
+            self._book.add_locked(state)
+            if not src:  # everything was in the receiver's prefix cache
+                self._book.finish_locked(state, None)
+                return
+            link = self._link_for_locked(dst)
+            state.link, state.seq = link, link.next_seq
+            link.next_seq += 1
+            link.transfers[state.seq] = state
+            link.queue.put(_Item(_Op.BEGIN, state))
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        with self._lock:
+            state = self._book.get_locked(request_id)
+            if state is None:
+                if self._book.is_finished_locked(request_id):
+                    return  # failed (or had nothing to ship): the model keeps computing regardless
+                raise KeyError(f"send_layer for {request_id!r}, which was never begun")
+            if not 0 <= layer < self.cache.spec.num_layers:
+                raise ValueError(f"layer {layer} outside [0, {self.cache.spec.num_layers})")
+            if layer in state.layers_requested:
+                raise ValueError(f"layer {layer} of {request_id!r} was already sent")
+            state.layers_requested.add(layer)
+            event = None
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record()  # on the caller's (compute) stream
+            assert state.link is not None
+            state.link.queue.put(_Item(_Op.LAYER, state, layer, event))
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self._book.poll(request_id)
+
+    def wait(self, request_id: str, timeout: float) -> TransferResult:
+        return self._book.wait(request_id, timeout)
+
+    def pop_finished(self) -> list[TransferResult]:
+        return self._book.pop_finished()
+
+    def abort(self, request_id: str, reason: str = "aborted by the sender") -> None:
+        with self._lock:
+            state = self._book.get_locked(request_id)
+            if state is not None:
+                self._fail_locked(state, f"transfer {request_id!r}: {reason}", tell_peer=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for state in self._book.active_locked():
+                self._fail_locked(state, f"transfer {state.request_id!r}: sender closed", tell_peer=True)
+            links = list(self._links.values())
+            self._links.clear()
+            for link in links:
+                link.queue.put(_Item(_Op.STOP))
+        for link in links:
+            # NOTE: a link still connecting cannot be interrupted (it waits in the store); it ends by
+            # itself within connect_timeout_s, with nothing left to fail.
+            if link.thread is not None and link.connected:
+                link.thread.join(timeout=self.config.op_timeout_s + self.config.liveness_s)
+        self._book.close()
+
+    # ---- state changes (caller holds self._lock) ----
+
+    def _finish_locked(self, state: _SendState, error: str | None) -> bool:
+        if not self._book.finish_locked(state, error):
+            return False
+        if state.link is not None:
+            state.link.transfers.pop(state.seq, None)
+        return True
+
+    def _fail_locked(self, state: _SendState, reason: str, tell_peer: bool) -> None:
+        if self._finish_locked(state, reason) and tell_peer and state.link is not None and not state.link.dead:
+            state.link.queue.put(_Item(_Op.ABORT, state, reason=reason))
+
+    def _on_expire(self, state: _SendState) -> None:
+        total = self.cache.spec.num_layers
+        self._fail_locked(state, f"transfer {state.request_id!r} to {state.peer_id!r}: deadline passed with "
+                                 f"{state.layers_sent}/{total} layers sent", tell_peer=True)
+
+    def _link_for_locked(self, dst: PeerAddress) -> _LinkWorker:
+        key = (dst.endpoint_id, dst.incarnation)
+        link = self._links.get(key)
+        if link is None or link.dead:
+            link = _LinkWorker(dst)
+            self._links[key] = link
+            link.thread = threading.Thread(target=self._run_link, args=(link,), daemon=True,
+                                           name=f"kv-send-{self.endpoint_id}->{dst.endpoint_id}")
+            link.thread.start()
+        return link
+
+    def _link_failed(self, w: _LinkWorker, reason: str) -> None:
+        with self._lock:
+            if w.dead:
+                return
+            w.dead = True
+            key = (w.dst.endpoint_id, w.dst.incarnation)
+            if self._links.get(key) is w:
+                del self._links[key]
+            for state in list(w.transfers.values()):
+                self._finish_locked(state, f"transfer {state.request_id!r}: link to receiver "
+                                           f"{w.dst.endpoint_id!r} broke: {reason}")
+            w.queue.put(_Item(_Op.WAKE))
+
+    # ---- the link's threads ----
+
+    def _run_link(self, w: _LinkWorker) -> None:
+        try:
+            link = self._connect(w.dst)
+        except Exception as e:  # any failure to connect fails the link's transfers, and only those
+            self._link_failed(w, f"cannot connect: {e}")
+            return
+        w.connected = True
+        replies = threading.Thread(target=self._run_replies, args=(w, link), daemon=True,
+                                   name=f"kv-acks-{self.endpoint_id}<-{w.dst.endpoint_id}")
+        replies.start()
+        try:
+            self._send_loop(w, link)
+        except LinkError as e:
+            self._link_failed(w, str(e))
+        finally:
+            replies.join(timeout=self.config.liveness_s)
+            link.close()
+
+    def _send_loop(self, w: _LinkWorker, link: SendLink) -> None:
+        next_ping = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_ping:  # NOTE: also while busy, so the receiver's replies never go quiet
+                link.send(Header(MsgKind.PING), None)
+                next_ping = now + self.config.keepalive_s
+            try:
+                item = w.queue.get(timeout=max(0.0, next_ping - time.monotonic()))
+            except queue.Empty:
+                continue
+            if w.dead:
+                return
+            if item.op is _Op.STOP:
+                link.send(Header(MsgKind.BYE), None)
+                return
+            if item.op is not _Op.WAKE:
+                self._send_item(link, item)
+
+    def _send_item(self, link: SendLink, item: _Item) -> None:
+        state = item.state
+        assert state is not None
+        if item.op is _Op.ABORT:
+            # NOTE: names the request too: the BEGIN may never have gone out, leaving the seq unknown there
+            raw = bytes_tensor(json.dumps({"request_id": state.request_id, "reason": item.reason}).encode())
+            link.send(Header(MsgKind.ABORT, state.seq, 0, raw.numel()), raw)
+            return
+        assert state.descriptor is not None
+        if time.monotonic() > state.deadline:  # the watchdog may lag (e.g. this process was paused)
+            with self._lock:
+                if not state.status.is_finished:
+                    self._on_expire(state)
+            return
+        with state.io_lock:
+            if state.status.is_finished:
+                return  # failed meanwhile: its blocks are the worker's again, do not read them
+            if item.op is _Op.BEGIN:
+                payload = bytes_tensor(state.descriptor.to_bytes())
+                header = Header(MsgKind.BEGIN, state.seq, 0, payload.numel())
+            else:
+                payload = as_bytes(self._pack(state, item.layer, item.event, link.payload_device))
+                header = Header(MsgKind.LAYER, state.seq, item.layer, payload.numel())
+        link.send(header, payload)
+        if item.op is _Op.LAYER:
+            with self._lock:
+                state.layers_sent += 1
+                with state.io_lock:
+                    if state.status == TransferStatus.PENDING:
+                        state.status = TransferStatus.TRANSFERRING
+
+    def _pack(self, state: _SendState, layer: int, event: torch.cuda.Event | None,
+              device: torch.device) -> torch.Tensor:
+        """[2, n, block_size, num_kv_heads, head_dim] on `device`, complete when this returns."""
+        assert state.src_index is not None
+        if self._stream is None:
+            return pack_layer(self.cache.tensor, layer, state.src_index)
+        with torch.cuda.stream(self._stream):
+            assert event is not None
+            self._stream.wait_event(event)
+            packed = pack_layer(self.cache.tensor, layer, state.src_index)
+            if packed.device != device:
+                return packed.to(device)  # a synchronous copy: done when it returns
+            # NOTE: synchronous, so that a failed transfer's blocks are never read after it is reported
+            # and the send (on another stream) sees finished data.
+            self._stream.synchronize()
+            return packed
+
+    def _run_replies(self, w: _LinkWorker, link: SendLink) -> None:
+        try:
+            while not w.dead:
+                header, payload = link.recv_reply()
+                if header.kind == MsgKind.PONG:
+                    continue
+                if header.kind == MsgKind.BYE:
+                    raise LinkError("the receiver closed the link")
+                if header.kind not in (MsgKind.ACK, MsgKind.NACK):
+                    raise LinkError(f"unexpected {header.kind.name} from the receiver")
+                with self._lock:
+                    state = w.transfers.get(header.seq)
+                    if state is None:
+                        continue  # already failed here (deadline, abort)
+                    if header.kind == MsgKind.ACK:
+                        self._finish_locked(state, None)
+                    else:
+                        self._finish_locked(state, f"receiver {w.dst.endpoint_id!r} refused: "
+                                                   f"{payload.decode(errors='replace')}")
+        except LinkError as e:
+            self._link_failed(w, str(e))

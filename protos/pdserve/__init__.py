@@ -1,0 +1,1 @@
+"""Protobuf package `pdserve`."""

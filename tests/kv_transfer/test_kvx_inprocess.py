@@ -1,0 +1,223 @@
+"""The sender and receiver cores over a real transport, both ends in this process (fast, precise).
+
+Each test runs over torch.distributed (a real gloo pair group) and over the Ray object store. Cross-process
+behaviour (killed and paused peers, several workers) is in test_kvx_processes.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from kvx_harness import HOST, make_config
+
+from engine.block_allocator import BlockAllocator
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer import KVReceiver, KVSender, TransferStatus, create_receiver, create_sender
+
+SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
+NUM_BLOCKS = 64
+
+
+@dataclass
+class Side:
+    cache: KVCache
+    allocator: BlockAllocator
+    transport: KVSender | KVReceiver
+
+
+@dataclass
+class Pair:
+    tx: Side
+    rx: Side
+    sender: KVSender
+    receiver: KVReceiver
+
+
+_counter = iter(range(10**6))
+
+
+def make_pair(transport: str, port: int | None, rx_spec: KVCacheSpec = SPEC) -> Pair:
+    n = next(_counter)
+    cfg = make_config(transport, port)
+    tx_cache, rx_cache = KVCache(SPEC, NUM_BLOCKS), KVCache(rx_spec, NUM_BLOCKS)
+    tx_cache.tensor.view(torch.uint8).copy_(torch.randint(0, 256, tx_cache.tensor.view(torch.uint8).shape,
+                                                          dtype=torch.uint8))
+    sender = create_sender(cfg, f"prefill-{n}", tx_cache, HOST)
+    receiver = create_receiver(cfg, f"decode-{n}", rx_cache, HOST)
+    rx_alloc = BlockAllocator(NUM_BLOCKS, enable_caching=False)
+    ids = rx_alloc.allocate(NUM_BLOCKS)
+    random.Random(n).shuffle(ids)
+    rx_alloc.free(ids)  # reserved ids come out scattered
+    return Pair(Side(tx_cache, BlockAllocator(NUM_BLOCKS, enable_caching=False), sender),
+                Side(rx_cache, rx_alloc, receiver), sender, receiver)
+
+
+@pytest.fixture(params=["torch", "ray"])
+def pair(request, rendezvous):
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    p = make_pair(request.param, rendezvous.port)
+    yield p
+    p.sender.close()
+    p.receiver.close()
+
+
+def start(p: Pair, rid: str, n: int, timeout_s: float = 10.0, tx_timeout_s: float | None = None):
+    src, dst = p.tx.allocator.allocate(n), p.rx.allocator.allocate(n)
+    assert src is not None and dst is not None
+    p.receiver.expect(rid, p.sender.endpoint_id, dst, time.monotonic() + timeout_s)
+    p.sender.begin(rid, p.receiver.address, src, dst, time.monotonic() + (tx_timeout_s or timeout_s))
+    return src, dst
+
+
+def landed(p: Pair, src: list[int], dst: list[int]) -> bool:
+    return torch.equal(p.tx.cache.tensor[:, :, src].view(torch.uint8), p.rx.cache.tensor[:, :, dst].view(torch.uint8))
+
+
+def test_interleaved_transfers_on_one_link_all_land(pair):
+    rng = random.Random(0)
+    jobs = {f"r{i}": start(pair, f"r{i}", rng.randint(1, 6)) for i in range(10)}
+    pending = [(rid, layer) for rid in jobs for layer in range(SPEC.num_layers)]
+    rng.shuffle(pending)
+    pending.sort(key=lambda x: x[1])  # layers of one request in order, requests interleaved at random
+    for rid, layer in pending:
+        pair.sender.send_layer(rid, layer)
+    for rid, (src, dst) in jobs.items():
+        rx, tx = pair.receiver.wait(rid, 10), pair.sender.wait(rid, 10)
+        assert rx.ok and tx.ok, (rx.error, tx.error)
+        assert rx.block_ids == tuple(dst) and tx.block_ids == tuple(src)
+        assert landed(pair, src, dst)
+    assert sorted(set(b for _, d in jobs.values() for b in d)) != list(range(len(jobs)))
+
+
+def test_layout_mismatch_fails_both_sides_naming_the_field(rendezvous):
+    p = make_pair("torch", rendezvous.port, KVCacheSpec(4, 2, 8, 8, torch.bfloat16))  # block_size 8 vs 4
+    try:
+        start(p, "m", 3)
+        for layer in range(SPEC.num_layers):
+            p.sender.send_layer("m", layer)
+        rx, tx = p.receiver.wait("m", 10), p.sender.wait("m", 10)
+        assert not rx.ok and "block_size" in rx.error and "sender has 4, receiver has 8" in rx.error
+        assert not tx.ok and "block_size" in tx.error
+        assert not p.rx.cache.tensor.any(), "a refused transfer wrote into the cache"
+    finally:
+        p.sender.close()
+        p.receiver.close()
+
+
+def test_stalled_sender_fails_both_sides_at_the_deadline_and_late_layers_are_dropped(pair):
+    rx_free, tx_free = pair.rx.allocator.num_free_blocks, pair.tx.allocator.num_free_blocks
+    t0 = time.monotonic()
+    src, dst = start(pair, "s", 3, timeout_s=0.8, tx_timeout_s=30.0)
+    pair.sender.send_layer("s", 0)
+    rx = pair.receiver.wait("s", 10)
+    assert not rx.ok and "deadline passed with 1/4 layers landed" in rx.error
+    assert 0.8 <= time.monotonic() - t0 < 1.5
+    pair.rx.allocator.free(list(rx.block_ids))
+    snapshot = pair.rx.cache.tensor.view(torch.uint8).clone()
+    for layer in range(1, SPEC.num_layers):  # the prefill resumes: too late
+        pair.sender.send_layer("s", layer)
+    tx = pair.sender.wait("s", 10)  # the receiver's NACK reaches the sender
+    assert not tx.ok and "deadline passed" in tx.error, tx.error
+    assert torch.equal(snapshot, pair.rx.cache.tensor.view(torch.uint8)), "a layer landed after its transfer failed"
+    pair.tx.allocator.free(list(tx.block_ids))
+    assert (pair.rx.allocator.num_free_blocks, pair.tx.allocator.num_free_blocks) == (rx_free, tx_free)
+
+
+def test_unexpected_request_and_wrong_sender_are_refused(pair):
+    src = pair.tx.allocator.allocate(2)
+    pair.sender.begin("nobody-expects", pair.receiver.address, src, [1, 2], time.monotonic() + 10)
+    tx = pair.sender.wait("nobody-expects", 10)
+    assert not tx.ok and "expects no transfer 'nobody-expects'" in tx.error
+    pair.receiver.expect("other", "prefill-elsewhere", [3, 4], time.monotonic() + 10)
+    pair.sender.begin("other", pair.receiver.address, src, [3, 4], time.monotonic() + 10)
+    tx = pair.sender.wait("other", 10)
+    assert not tx.ok and "expected from 'prefill-elsewhere'" in tx.error
+    assert pair.receiver.poll("other") == TransferStatus.PENDING  # still waiting for its real sender
+    pair.receiver.abort("other")
+    assert not pair.receiver.wait("other", 1).ok
+
+
+def test_abort_on_either_side_reaches_the_other(pair):
+    start(pair, "a1", 2)
+    pair.sender.send_layer("a1", 0)
+    pair.receiver.abort("a1", "client cancelled")
+    rx = pair.receiver.wait("a1", 1)
+    assert not rx.ok and "client cancelled" in rx.error
+    tx = pair.sender.wait("a1", 5)  # told at the next ping at the latest
+    assert not tx.ok and "client cancelled" in tx.error
+
+    start(pair, "a2", 2)
+    pair.sender.send_layer("a2", 0)
+    pair.sender.abort("a2", "prefill preempted")
+    assert "prefill preempted" in pair.sender.wait("a2", 1).error
+    rx = pair.receiver.wait("a2", 5)
+    assert not rx.ok and "prefill preempted" in rx.error
+
+
+def test_nothing_to_ship_finishes_at_once(pair):
+    pair.receiver.expect("cached", pair.sender.endpoint_id, [], time.monotonic() + 10)
+    pair.sender.begin("cached", pair.receiver.address, [], [], time.monotonic() + 10)
+    pair.sender.send_layer("cached", 0)  # the model does not need to know
+    assert pair.receiver.wait("cached", 0.1).ok and pair.sender.wait("cached", 0.1).ok
+
+
+def test_api_misuse_is_a_clear_error(pair):
+    start(pair, "dup", 1)
+    with pytest.raises(ValueError, match="already in flight"):
+        pair.receiver.expect("dup", pair.sender.endpoint_id, [5], time.monotonic() + 10)
+    with pytest.raises(ValueError, match="already sent"):
+        pair.sender.send_layer("dup", 0)
+        pair.sender.send_layer("dup", 0)
+    with pytest.raises(ValueError, match="outside"):
+        pair.sender.send_layer("dup", SPEC.num_layers)
+    with pytest.raises(ValueError, match="pair up"):
+        pair.sender.begin("x", pair.receiver.address, [1, 2], [1], time.monotonic() + 10)
+    with pytest.raises(ValueError, match="outside the cache"):
+        pair.receiver.expect("y", "s", [NUM_BLOCKS], time.monotonic() + 10)
+    with pytest.raises(ValueError, match="repeat"):
+        pair.receiver.expect("y", "s", [3, 3], time.monotonic() + 10)
+    with pytest.raises(KeyError):
+        pair.sender.send_layer("never-begun", 0)
+    with pytest.raises(TimeoutError):
+        pair.receiver.wait("dup", 0.05)
+    for layer in range(1, SPEC.num_layers):
+        pair.sender.send_layer("dup", layer)
+    assert pair.receiver.wait("dup", 10).ok
+    with pytest.raises(KeyError):
+        pair.receiver.poll("dup")  # collected
+
+
+def wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_closing_the_receiver_fails_what_is_in_flight(pair):
+    start(pair, "c", 2)
+    pair.sender.send_layer("c", 0)
+    wait_for(lambda: pair.receiver.poll("c") == TransferStatus.TRANSFERRING, 10)
+    pair.receiver.close()
+    rx = pair.receiver.wait("c", 1)
+    assert not rx.ok and "receiver closed" in rx.error
+    assert not pair.sender.wait("c", 5).ok
+
+
+def test_a_receiver_that_never_shows_up_fails_the_transfer_by_its_deadline(pair):
+    from kv_transfer import PeerAddress
+
+    ghost = PeerAddress(pair.receiver.address.transport, "ghost", "0", "cpu", inbox=pair.receiver.address.inbox)
+    src = pair.tx.allocator.allocate(2)
+    t0 = time.monotonic()
+    pair.sender.begin("g", ghost, src, [1, 2], time.monotonic() + 0.6)
+    for layer in range(SPEC.num_layers):
+        pair.sender.send_layer("g", layer)
+    tx = pair.sender.wait("g", 5)
+    assert not tx.ok and "deadline passed" in tx.error
+    assert time.monotonic() - t0 < 1.2

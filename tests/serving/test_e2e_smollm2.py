@@ -1,0 +1,47 @@
+"""End to end over gRPC on the real SmolLM2: disaggregated greedy output equals the engine's own."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.serving.conftest import greedy_request, running_server, token_ids
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books about the sea. "
+    "Every morning the dragon would",
+]
+MAX_TOKENS = 24
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM("smollm2-135m", num_blocks=64)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("layout", [
+    {"prefill_workers": 1, "decode_workers": 1},
+    {"prefill_workers": 2, "decode_workers": 2},
+    {"prefill_workers": 0, "decode_workers": 0, "colocated_workers": 2},
+], ids=["1P1D", "2P2D", "colocated"])
+def test_greedy_output_equals_the_engine_token_for_token(ray_cluster, reference, layout):
+    with running_server(model="smollm2-135m", num_blocks=128, **layout) as server:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrently, so the workers batch them
+            results = list(pool.map(lambda p: server.generate(greedy_request(p, MAX_TOKENS)), PROMPTS))
+        for prompt, want, responses in zip(PROMPTS, reference, results):
+            assert token_ids(responses) == want, prompt
+            last = responses[-1]
+            assert last.usage.completion_tokens == len(want)
+            assert "".join(r.text for r in responses) == server.server.servicer.tokenizer.decode(want)
+            kinds = ("colocated", "colocated") if "colocated_workers" in layout else ("prefill", "decode")
+            assert last.prefill_worker_id.startswith(kinds[0]) and last.decode_worker_id.startswith(kinds[1])
+        reports = server.wait_idle()
+        assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports

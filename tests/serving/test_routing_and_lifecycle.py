@@ -1,0 +1,188 @@
+"""Routing, cancellation, load and bad input against a real deployment of the tiny random model."""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from protos.pdserve.v1 import generation_pb2 as pb
+from tests.serving.conftest import greedy_request, running_server, token_ids
+
+LONG_PREFIX = [(13 * i + 7) % 250 for i in range(96)]  # 6 full blocks
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    # 2 prefill workers so routing has a choice; few decode blocks so admission control is exercised
+    with running_server(model="tiny-random", prefill_workers=2, decode_workers=1, num_blocks=48,
+                        max_model_len=512, max_queue=400) as s:
+        yield s
+
+
+def test_requests_sharing_a_prefix_land_on_the_worker_that_holds_it(server):
+    first = server.generate(greedy_request(LONG_PREFIX + [1, 2, 3], 4))[-1]
+    holder = first.prefill_worker_id
+    for tail in ([4, 5], [6, 7, 8], [9], [10, 11, 12, 13]):
+        last = server.generate(greedy_request(LONG_PREFIX + tail, 4))[-1]
+        assert last.prefill_worker_id == holder
+        assert last.usage.cached_prompt_tokens == 96
+    assert server.generate(greedy_request(LONG_PREFIX + [1, 2, 3], 4))[-1].usage.cached_prompt_tokens == 96
+
+
+def test_unrelated_requests_spread_over_both_prefill_workers(server):
+    prompts = [[(p * 31 + i) % 250 for i in range(200)] for p in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        lasts = list(pool.map(lambda p: server.generate(greedy_request(p, 2))[-1], prompts))
+    assert {r.prefill_worker_id for r in lasts} == {"prefill-0", "prefill-1"}
+
+
+def test_cancel_mid_stream_frees_every_block(server):
+    call = server.stub.Generate(greedy_request(LONG_PREFIX, 400, ignore_eos=True), timeout=60)
+    got = 0
+    for _ in call:
+        got += 1
+        if got == 3:
+            call.cancel()
+            break
+    assert got == 3
+    reports = server.wait_idle()
+    for wid, r in reports.items():
+        assert r.load.free_blocks == r.load.total_blocks, (wid, r.load)
+        assert r.load.num_running == 0
+
+
+def test_200_concurrent_requests_all_finish_and_free_their_blocks(server):
+    n = 200
+    results: list[object] = [None] * n
+    barrier = threading.Barrier(20)
+
+    def one(i: int) -> None:
+        if i < 20:
+            barrier.wait(10)  # a real burst at the start
+        prompt = LONG_PREFIX[: 10 + (i * 7) % 80] + [i % 250]
+        try:
+            results[i] = server.generate(greedy_request(prompt, 3 + i % 12, ignore_eos=True), timeout=240)
+        except grpc.RpcError as e:
+            results[i] = e
+
+    with ThreadPoolExecutor(50) as pool:  # 50 in flight at a time on 48 decode blocks
+        list(pool.map(one, range(n)))
+    errors = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in errors), errors[:3]
+    done = [r for r in results if not isinstance(r, grpc.RpcError)]
+    assert len(done) >= n * 0.9
+    for i, r in enumerate(results):
+        if not isinstance(r, grpc.RpcError):
+            assert len(token_ids(r)) == 3 + i % 12
+            assert r[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    reports = server.wait_idle()
+    for wid, rep in reports.items():
+        assert rep.load.free_blocks == rep.load.total_blocks, (wid, rep.load)
+
+
+def _prompt(text: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=text, sampling=pb.SamplingParams(max_tokens=4, temperature=0))
+
+
+def _with(**sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(**sampling))
+
+
+def _msgs(*pairs) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4))
+    req.messages.SetInParent()
+    for role, content in pairs:
+        req.messages.messages.append(pb.ChatMessage(role=role, content=content))
+    return req
+
+
+def _ids(ids) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4))
+    req.prompt_token_ids.SetInParent()
+    req.prompt_token_ids.ids.extend(ids)
+    return req
+
+
+BAD = [
+    (pb.GenerateRequest(), "input"),
+    (_prompt(""), "prompt"),
+    (_prompt("x" * 600), "prompt"),  # 600 byte tokens > max_model_len 512
+    (_ids([]), "prompt_token_ids"),
+    (_ids([1, 2, 999]), "prompt_token_ids"),
+    (_ids([5] * 512), "prompt_token_ids"),
+    (_msgs(), "messages"),
+    (_msgs(("wizard", "hi")), "role"),
+    (_msgs(("USER", "hi")), "role"),
+    (_with(temperature=-1.0), "sampling.temperature"),
+    (_with(temperature=math.nan), "sampling.temperature"),
+    (_with(temperature=math.inf), "sampling.temperature"),
+    (_with(temperature=1000.0), "sampling.temperature"),
+    (_with(top_p=0.0), "sampling.top_p"),
+    (_with(top_p=1.5), "sampling.top_p"),
+    (_with(top_p=math.nan), "sampling.top_p"),
+    (_with(top_k=100000), "sampling.top_k"),
+    (_with(max_tokens=10**6), "sampling.max_tokens"),
+    (_with(max_tokens=510), "sampling.max_tokens"),  # prompt + max_tokens > context
+    (_with(stop=[""]), "sampling.stop"),
+    (_with(stop=["s"] * 100), "sampling.stop"),
+    (_with(stop_token_ids=[10**6]), "sampling.stop_token_ids"),
+    (pb.GenerateRequest(request_id="bad id\n", prompt="hi"), "request_id"),
+    (pb.GenerateRequest(request_id="x" * 1000, prompt="hi"), "request_id"),
+]
+
+
+@pytest.mark.parametrize("request_, field", BAD, ids=[f"{i}-{f}" for i, (_, f) in enumerate(BAD)])
+def test_bad_input_is_invalid_argument_naming_the_field(server, request_, field):
+    with pytest.raises(grpc.RpcError) as err:
+        server.generate(request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+
+
+def test_server_keeps_serving_after_bad_input_and_frees_everything(server):
+    assert len(token_ids(server.generate(greedy_request("still alive", 5)))) == 5
+    reports = server.wait_idle()
+    assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values())
+
+
+def test_duplicate_request_id_in_flight_is_refused(server):
+    req = greedy_request(LONG_PREFIX, 200, ignore_eos=True)
+    req.request_id = "dup-1"
+    first = server.stub.Generate(req, timeout=60)
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        server.generate(req)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in err.value.details()
+    first.cancel()
+    server.wait_idle()
+
+
+def test_stop_string_ends_the_stream_and_frees_blocks(server):
+    free = server.generate(greedy_request("stop strings", 30, ignore_eos=True))
+    text = "".join(r.text for r in free)
+    stop = text[5:7]
+    assert stop
+    cut = server.generate(greedy_request("stop strings", 30, ignore_eos=True, stop=[stop]))
+    assert "".join(r.text for r in cut) == text[:text.index(stop)]
+    assert cut[-1].finish_reason == pb.FINISH_REASON_STOP
+    reports = server.wait_idle()
+    assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values())
+
+
+def test_model_info_lists_the_pools(server):
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.model_name == "tiny-random" and info.max_model_len == 512 and info.block_size == 16
+    pools = {pb.PoolKind.Name(p.kind): sorted(w.worker_id for w in p.workers) for p in info.pools}
+    assert pools == {"POOL_KIND_PREFILL": ["prefill-0", "prefill-1"], "POOL_KIND_DECODE": ["decode-0"]}
+
+
+def test_health_is_serving(server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(server.channel)
+    res = stub.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"))
+    assert res.status == health_pb2.HealthCheckResponse.SERVING
