@@ -254,10 +254,8 @@ def copy_bandwidth(num_bytes: int = COPY_BYTES, reps: int = 5) -> float:
 
 def decode_bytes(model: LlamaForCausalLM) -> int:
     """Bytes a batch-1 decode step streams: every layer's weights, the final norm, lm_head, one embedding row."""
-    tensors = [model.norm, model.lm_head, model.embed[0]]
-    for layer in model.layers:
-        tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    row = model.embed[0].numel() * model.embed.element_size()
+    return model.weight_bytes - model.embed.shape[0] * row + row
 
 
 # -- the run ----------------------------------------------------------------------------------------------

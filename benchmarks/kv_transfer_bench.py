@@ -69,6 +69,10 @@ class BenchPeer:
         self.done: dict[str, tuple[float, bool, str | None]] = {}
         self.events: dict[str, threading.Event] = {}
 
+    def cpu(self) -> float:
+        """CPU seconds this process has used, all threads (the fair measure on a shared machine)."""
+        return time.process_time()
+
     def endpoint(self) -> Any:
         t = self.transport
         return t.address if isinstance(t, KVReceiver) else t.endpoint_id
@@ -198,17 +202,27 @@ def scattered(n: int, num_blocks: int, seed: int) -> list[int]:
     return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
 
+CPU: list[float] = []  # CPU seconds (both processes) of each transfer timed last
+
+
+def cpu_of(tx: Any, rx: Any) -> float:
+    return tx.call("cpu") + rx.call("cpu")
+
+
 def time_transfers(tx: Any, rx: Any, nblocks: int, num_blocks: int, reps: int, tag: str,
                    compute_s: float = 0.0) -> tuple[list[float], list[float]]:
     """Seconds per transfer (start to last layer landed) and seconds left after the last layer's offer."""
     src_name, dst = tx.call("endpoint"), rx.call("endpoint")
     total, tails = [], []
+    CPU.clear()
     for i in range(reps):
         rid = f"{tag}-{nblocks}-{i}"
         src_ids, dst_ids = scattered(nblocks, num_blocks, i), scattered(nblocks, num_blocks, 1000 + i)
+        c0 = cpu_of(tx, rx)
         rx.call("expect", rid, src_name, dst_ids)
         t0, t_last = tx.call("push", rid, dst, src_ids, dst_ids, compute_s)
         t1 = rx.call("result", rid)
+        CPU.append(cpu_of(tx, rx) - c0)
         total.append(t1 - t0)
         tails.append(t1 - t_last)
     return total, tails
@@ -216,18 +230,21 @@ def time_transfers(tx: Any, rx: Any, nblocks: int, num_blocks: int, reps: int, t
 
 def time_raw(tx: Any, rx: Any, nbytes: int, reps: int) -> list[float]:
     out = []
+    CPU.clear()
     for i in range(reps):
         tag = f"raw-{nbytes}-{i}"
+        c0 = cpu_of(tx, rx)
         rx.call("raw_recv_start", tag, nbytes)
         t0 = tx.call("raw_send", nbytes)
         out.append(rx.call("result", tag) - t0)
+        CPU.append(cpu_of(tx, rx) - c0)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048], help="request lengths")
-    ap.add_argument("--reps", type=int, default=7, help="timed transfers per size (median reported)")
+    ap.add_argument("--reps", type=int, default=15, help="timed transfers per size (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compute-ms", type=float, default=2.0, help="simulated compute per layer for the overlap run")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray object-store path")
@@ -254,19 +271,31 @@ def main() -> None:
         n = -(-tokens // SPEC.block_size)
         nbytes = n * bytes_per_block
         time_raw(tx, rx, nbytes, args.warmup)
-        raw = statistics.median(time_raw(tx, rx, nbytes, args.reps))
         time_transfers(tx, rx, n, num_blocks, args.warmup, "warm")
-        blockwise = statistics.median(time_transfers(tx, rx, n, num_blocks, args.reps, "bw")[0])
+        raws, blockwises, raw_cpu, bw_cpu = [], [], [], []
+        for i in range(args.reps):  # NOTE: alternating, so both see the same load on a shared machine
+            raws += time_raw(tx, rx, nbytes, 1)
+            raw_cpu += CPU
+            blockwises += time_transfers(tx, rx, n, num_blocks, 1, f"bw{i}")[0]
+            bw_cpu += CPU
+        raw, blockwise = statistics.median(raws), statistics.median(blockwises)
         sizes[str(tokens)] = dict(tokens=tokens, blocks=n, bytes=nbytes, raw_ms=1e3 * raw,
                                   blockwise_ms=1e3 * blockwise, raw_gbps=nbytes / raw / 1e9,
-                                  blockwise_gbps=nbytes / blockwise / 1e9, blockwise_vs_raw=raw / blockwise)
-        log(f"{tokens:5d} tokens, {nbytes / 1e6:6.1f} MB: raw {1e3 * raw:7.2f} ms ({nbytes / raw / 1e9:.2f} GB/s), "
-            f"block-wise layer-wise {1e3 * blockwise:7.2f} ms ({nbytes / blockwise / 1e9:.2f} GB/s), "
-            f"ratio {raw / blockwise:.2f}")
+                                  blockwise_gbps=nbytes / blockwise / 1e9, blockwise_vs_raw=raw / blockwise,
+                                  best_raw_ms=1e3 * min(raws), best_blockwise_ms=1e3 * min(blockwises),
+                                  raw_cpu_ms=1e3 * statistics.median(raw_cpu),
+                                  blockwise_cpu_ms=1e3 * statistics.median(bw_cpu))
+        log(f"{tokens:5d} tokens, {nbytes / 1e6:6.1f} MB: raw {1e3 * raw:7.2f} ms ({nbytes / raw / 1e9:.2f} GB/s, "
+            f"{1e3 * statistics.median(raw_cpu):.1f} ms CPU), block-wise layer-wise {1e3 * blockwise:7.2f} ms "
+            f"({nbytes / blockwise / 1e9:.2f} GB/s, {1e3 * statistics.median(bw_cpu):.1f} ms CPU), "
+            f"ratio {raw / blockwise:.2f} (best runs: {min(raws) / min(blockwises):.2f})")
 
     # per-transfer overhead: one block (30 layer messages of one block each) against raw of the same bytes
-    raw_small = statistics.median(time_raw(tx, rx, bytes_per_block, args.reps))
-    bw_small = statistics.median(time_transfers(tx, rx, 1, num_blocks, args.reps, "small")[0])
+    raws, smalls = [], []
+    for i in range(args.reps):
+        raws += time_raw(tx, rx, bytes_per_block, 1)
+        smalls += time_transfers(tx, rx, 1, num_blocks, 1, f"small{i}")[0]
+    raw_small, bw_small = statistics.median(raws), statistics.median(smalls)
     log(f"one-block transfer: block-wise {1e3 * bw_small:.2f} ms, raw {1e3 * raw_small:.2f} ms")
 
     # overlap: with compute between layers, what is left once the last layer is offered

@@ -125,6 +125,17 @@ class DecodeWorker:
 
         await asyncio.wrap_future(self.loop.call(abort))
 
+    async def describe(self) -> dict:
+        """What this worker holds right now (for debugging and operators)."""
+
+        def describe() -> dict:
+            return {"pending": {rid: {"landed": p.landed, "first_token": p.first_token,
+                                      "transfer": self.receiver.poll(rid).name if not p.landed else None}
+                                for rid, p in self.pending.items()},
+                    "requests": {rid: r.status.name for rid, r in self.engine.scheduler.requests.items()}}
+
+        return await asyncio.wrap_future(self.loop.call(describe))
+
     async def shutdown(self) -> None:
         self.loop.shutdown()
         if self.receiver is not None:

@@ -86,24 +86,29 @@ class EngineLoop:
                 return
 
     def _run(self) -> None:
+        stalled = False  # the last step could schedule nothing (every block held): don't spin on it
         while not self._stop.is_set():
             waiting_on_io = self.poll() if self.poll is not None else False
-            idle = not self.engine.has_scheduled_work()
+            idle = stalled or not self.engine.has_scheduled_work()
             # NOTE: idle with a transfer in flight, poll again within a millisecond: its completion is
             # what the next request's first token (or decode admission) waits on.
-            self._drain((0.001 if waiting_on_io else 0.05) if idle else 0)
+            self._drain((0.001 if waiting_on_io or stalled else 0.05) if idle else 0)
             if not self.engine.has_scheduled_work():
                 continue
             try:
-                _, advanced = self.engine.step(self.layer_hook_for)
+                out, advanced = self.engine.step(self.layer_hook_for)
             except Exception:  # a failed step must not hang its requests: end them all with an error
                 logger.exception("engine step failed; failing every request in this engine")
                 self.on_step(self._fail_all())
                 continue
+            stalled = not out.chunks
             self._steps += 1
-            if advanced:
-                self.on_step(StepOutput(self._steps, time.time(), [self._delta(r) for r in advanced],
-                                        self.engine.load()))
+            deltas = [self._delta(r) for r in advanced]
+            # requests the scheduler ended without running them (grown past the whole cache)
+            deltas += [TokenDelta(r.request_id, [], r.finish_reason.value, r.num_cached_tokens)
+                       for r in out.finished]
+            if deltas:
+                self.on_step(StepOutput(self._steps, time.time(), deltas, self.engine.load()))
 
     @staticmethod
     def _delta(r: Request) -> TokenDelta:

@@ -175,7 +175,7 @@ class LLMEngine:
         `Scheduler.update`). `layer_hook_for` sees the step's schedule before the model runs and may return
         a hook called after each layer's KV is written (the prefill worker's layer-wise KV push)."""
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if not out.chunks:
             return out, []
         logits = self.runner.execute(out, layer_hook_for(out) if layer_hook_for else None)
         tokens = sample(logits, [c.request.params for c in out.chunks],

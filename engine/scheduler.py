@@ -32,6 +32,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler itself, without a token
 
     @property
     def num_tokens(self) -> int:
@@ -39,7 +40,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.finished
 
 
 class Scheduler:
@@ -88,13 +89,14 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if cdiv(req.num_tokens, self.block_size) > self.allocator.num_blocks:
+                # larger than the whole cache (it grew there decoding): it can never run again
+                self.waiting.popleft()
+                self.finish(req, RequestStatus.FINISHED_LENGTH if req.output_token_ids
+                            else RequestStatus.FINISHED_ERROR)
+                out.finished.append(req)
+                continue
             if not self._admit(req, budget):
-                if not self.running and not out.chunks:
-                    # alone and still too big for the whole cache: it can never run
-                    self.waiting.popleft()
-                    self.finish(req, RequestStatus.FINISHED_LENGTH if req.output_token_ids
-                                else RequestStatus.FINISHED_ERROR)
-                    continue
                 break
             self.waiting.popleft()
             self.running.append(req)

@@ -1,10 +1,11 @@
 """The KV layout on the wire: one descriptor per transfer, then one packed buffer per layer.
 
 The cache is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (see `engine.kv_cache`). A layer
-message carries that layer's K and V of the shipped blocks, gathered into one contiguous
-[2, n, block_size, num_kv_heads, head_dim] buffer (one `index_select`, one send) and scattered on arrival
-into the receiver's own, non-contiguous block ids (one `index_copy_`). The descriptor goes first so the
-receiver can refuse a cache it cannot hold before any byte lands.
+message carries the K and V of the shipped blocks for one layer, or for a few consecutive layers when they
+were all ready at once, gathered into one contiguous [k, 2, n, block_size, num_kv_heads, head_dim] buffer
+(one `index_select`, one send) and scattered on arrival into the receiver's own, non-contiguous block ids
+(one `index_copy_`). The descriptor goes first so the receiver can refuse a cache it cannot hold before any
+byte lands.
 """
 
 from __future__ import annotations
@@ -116,18 +117,22 @@ class TransferDescriptor:
             raise ValueError(f"malformed transfer descriptor: {e}") from e
 
 
-def pack_layer(cache: torch.Tensor, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
-    """Gather one layer's K and V of `block_ids` into a new contiguous buffer.
+def pack_layers(cache: torch.Tensor, first: int, count: int, block_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather layers [first, first + count) of `block_ids` into one contiguous buffer (`out` when given).
 
     cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; block_ids: [n] int64, same device.
-    Returns [2, n, block_size, num_kv_heads, head_dim].
+    Returns [count, 2, n, block_size, num_kv_heads, head_dim].
     """
-    return cache[layer].index_select(1, block_ids)
+    if out is None:
+        return cache[first:first + count].index_select(2, block_ids)
+    return torch.index_select(cache[first:first + count], 2, block_ids, out=out)
 
 
-def scatter_layer(cache: torch.Tensor, layer: int, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
-    """Write a packed layer ([2, n, block_size, num_kv_heads, head_dim]) into `block_ids` of `cache`."""
-    cache[layer].index_copy_(1, block_ids, packed)
+def scatter_layers(cache: torch.Tensor, first: int, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """Write packed layers ([count, 2, n, block_size, num_kv_heads, head_dim]) from layer `first` on into
+    `block_ids` of `cache`."""
+    cache[first:first + packed.shape[0]].index_copy_(2, block_ids, packed)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -137,6 +142,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def from_bytes(buf: torch.Tensor, desc: TransferDescriptor) -> torch.Tensor:
-    """A received layer's bytes ([layer_nbytes] uint8) viewed as [2, n, block_size, num_kv_heads, head_dim]."""
-    assert buf.numel() == desc.layer_nbytes, f"layer message of {buf.numel()} bytes, expected {desc.layer_nbytes}"
-    return buf.view(desc.torch_dtype).view(desc.layer_shape)
+    """Received layers' bytes (a multiple of layer_nbytes, uint8) viewed as [count, 2, n, block_size,
+    num_kv_heads, head_dim]."""
+    assert buf.numel() % desc.layer_nbytes == 0, f"{buf.numel()} bytes is no whole number of layers"
+    return buf.view(desc.torch_dtype).view(-1, *desc.layer_shape)

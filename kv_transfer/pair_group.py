@@ -15,12 +15,14 @@ import time
 from datetime import timedelta
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, Store
+from torch.distributed import PrefixStore, ProcessGroupGloo, Store, Work
 
 from kv_transfer.wire import LinkError
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
-TAG_DATA, TAG_REPLY = 0, 1  # sender -> receiver, receiver -> sender
+# sender -> receiver headers, receiver -> sender replies, sender -> receiver payloads. NOTE: payloads on their
+# own tag let the receiver post the next header's receive before it has read the current payload.
+TAG_HEADER, TAG_REPLY, TAG_PAYLOAD = 0, 1, 2
 
 
 def _short(e: BaseException) -> str:
@@ -54,45 +56,32 @@ class PairGroup:
         except RuntimeError as e:
             raise LinkError(f"cannot form the pair group {prefix}: {_short(e)}") from e
 
-    def send(self, t: torch.Tensor, tag: int, timeout_s: float) -> None:
-        """gloo send of a contiguous CPU tensor."""
+    def isend(self, t: torch.Tensor, tag: int) -> PendingOp:
+        """Post a gloo send of a contiguous CPU tensor (kept alive until the op is waited for)."""
         try:
-            self.gloo.send([t], self.peer, tag).wait(timedelta(seconds=timeout_s))
+            return PendingOp(self, self.gloo.send([t], self.peer, tag), t, cuda=False)
         except RuntimeError as e:
             raise LinkError(_short(e)) from e
 
-    def recv(self, t: torch.Tensor, tag: int, timeout_s: float) -> None:
-        """gloo receive into a contiguous CPU tensor of exactly the sent size."""
+    def irecv(self, t: torch.Tensor, tag: int) -> PendingOp:
+        """Post a gloo receive into a contiguous CPU tensor of exactly the sent size."""
         try:
-            self.gloo.recv([t], self.peer, tag).wait(timedelta(seconds=timeout_s))
+            return PendingOp(self, self.gloo.recv([t], self.peer, tag), t, cuda=False)
         except RuntimeError as e:
             raise LinkError(_short(e)) from e
 
-    def send_nccl(self, t: torch.Tensor, timeout_s: float) -> None:
-        assert self.nccl is not None
-        self._wait_cuda(lambda: self.nccl.send([t], self.peer, 0), timeout_s)
-
-    def recv_nccl(self, t: torch.Tensor, timeout_s: float) -> None:
-        assert self.nccl is not None
-        self._wait_cuda(lambda: self.nccl.recv([t], self.peer, 0), timeout_s)
-
-    def _wait_cuda(self, start, timeout_s: float) -> None:
-        # NOTE: NCCL work completes on the GPU; poll it (with a growing pause) instead of a blocking wait,
-        # and abort the communicator on timeout so the kernel cannot stay stuck on a dead peer.
+    def isend_nccl(self, t: torch.Tensor) -> PendingOp:
         assert self.nccl is not None
         try:
-            work = start()
-            deadline, pause = time.monotonic() + timeout_s, 1e-5
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    self.nccl.abort()
-                    raise LinkError(f"NCCL transfer unfinished after {timeout_s:.3g}s")
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
-            work.wait()  # raises the op's error, if any
+            return PendingOp(self, self.nccl.send([t], self.peer, 0), t, cuda=True)
         except RuntimeError as e:
-            if isinstance(e, LinkError):
-                raise
+            raise LinkError(_short(e)) from e
+
+    def irecv_nccl(self, t: torch.Tensor) -> PendingOp:
+        assert self.nccl is not None
+        try:
+            return PendingOp(self, self.nccl.recv([t], self.peer, 0), t, cuda=True)
+        except RuntimeError as e:
             raise LinkError(_short(e)) from e
 
     def close(self) -> None:
@@ -101,3 +90,32 @@ class PairGroup:
             self.nccl.abort()
         self.nccl = None
         self.gloo = None
+
+
+class PendingOp:
+    """A posted send or receive; `wait` it (once) before touching its tensor again."""
+
+    def __init__(self, group: PairGroup, work: Work, tensor: torch.Tensor, cuda: bool) -> None:
+        self._group, self._work, self.tensor, self._cuda = group, work, tensor, cuda
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; LinkError if it failed or took longer than `timeout_s` (which breaks the pair)."""
+        try:
+            if not self._cuda:
+                self._work.wait(timedelta(seconds=timeout_s))
+                return
+            # NOTE: NCCL work completes on the GPU; poll it (with a growing pause) instead of a blocking
+            # wait, and abort the communicator on timeout so no kernel stays stuck on a dead peer.
+            deadline, pause = time.monotonic() + timeout_s, 1e-5
+            while not self._work.is_completed():
+                if time.monotonic() > deadline:
+                    if self._group.nccl is not None:
+                        self._group.nccl.abort()
+                    raise LinkError(f"NCCL transfer unfinished after {timeout_s:.3g}s")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+            self._work.wait()  # raises the op's error, if any
+        except LinkError:
+            raise
+        except RuntimeError as e:
+            raise LinkError(_short(e)) from e

@@ -10,6 +10,7 @@ layer objects) or, if it died between layers, as the transfer's deadline.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -29,7 +30,10 @@ from kv_transfer.rendezvous import device_tag
 from kv_transfer.sender import LayerwiseSender
 from kv_transfer.wire import Header, LinkError, MsgKind, RecvLink, SendLink
 
+log = logging.getLogger(__name__)
+
 _POLL_S = 0.25  # long-poll slice of a take(): bounds how long close() waits for a reading thread
+_BATCH = 8  # messages per inbox call when the sender has a backlog
 
 
 def _rx_box(address: PeerAddress) -> str:
@@ -45,6 +49,10 @@ def _fetch(ref: ray.ObjectRef, timeout_s: float) -> torch.Tensor:
         array = ray.get(ref, timeout=timeout_s)
     except (GetTimeoutError, RayError) as e:
         raise LinkError(f"layer bytes unreachable: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    return _as_tensor(array)
+
+
+def _as_tensor(array: Any) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only view into the object store: only read
         return torch.from_numpy(array)
@@ -58,15 +66,31 @@ class RaySendLink(SendLink):
         self._dst = dst
         self._config = config
         self._replies: list[tuple[Header, bytes]] = []
+        self._outbox: list[Any] = []
+        self._staging = torch.empty(0, dtype=torch.uint8)
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        # one buffer is enough: `ray.put` in `send` copies it into the object store
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging[:nbytes]
 
     def send(self, header: Header, payload: torch.Tensor | None) -> None:
         body: Any = b""
         if payload is not None and payload.numel():
             array = payload.numpy()
             body = [ray.put(array)] if header.kind == MsgKind.LAYER else array.tobytes()
-        item = (self._link_id, self._sender_id, tuple(header), body)
+        self._outbox.append((self._link_id, self._sender_id, tuple(header), body))
+        if len(self._outbox) >= _BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """One inbox call for everything sent since the last flush (the sender flushes before idling)."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
         try:
-            ray.get(self._dst.inbox.put.remote(_rx_box(self._dst), [item]), timeout=self._config.op_timeout_s)
+            ray.get(self._dst.inbox.put.remote(_rx_box(self._dst), items), timeout=self._config.op_timeout_s)
         except (GetTimeoutError, RayError) as e:
             raise LinkError(f"receiver's inbox unreachable: {type(e).__name__}: {str(e).splitlines()[0]}") from e
 
@@ -143,8 +167,9 @@ class RayKVReceiver(LayerwiseReceiver):
                 continue  # a slow inbox is not a dead one: it is in this process's own fate
             except RayError:
                 return  # ray is shutting down with the process
+            fetched = self._prefetch(items)
             for link_id, sender_id, raw_header, body in items:
-                self._on_item(link_id, sender_id, Header(MsgKind(raw_header[0]), *raw_header[1:]), body)
+                self._on_item(link_id, sender_id, Header(MsgKind(raw_header[0]), *raw_header[1:]), body, fetched)
             for link in list(self._links.values()):
                 self._flush(link)
             if self._closed:
@@ -154,7 +179,18 @@ class RayKVReceiver(LayerwiseReceiver):
                 return
             self._forget_idle_links()
 
-    def _on_item(self, link_id: str, sender_id: str, header: Header, body: Any) -> None:
+    def _prefetch(self, items: list[Any]) -> dict[Any, Any]:
+        """Fetch every layer of a batch in one call; on any failure fetch none, and let each item's own fetch
+        find out which link is broken."""
+        refs = [body[0] for _, _, _, body in items if isinstance(body, list)]
+        if len(refs) < 2:
+            return {}
+        try:
+            return dict(zip(refs, ray.get(refs, timeout=self.config.op_timeout_s), strict=True))
+        except (GetTimeoutError, RayError):
+            return {}
+
+    def _on_item(self, link_id: str, sender_id: str, header: Header, body: Any, fetched: dict[Any, Any]) -> None:
         link = self._links.get(link_id)
         if link is None:
             link = self._links[link_id] = RayRecvLink(sender_id, link_id, self._inbox)
@@ -166,14 +202,17 @@ class RayKVReceiver(LayerwiseReceiver):
             return
 
         def read() -> torch.Tensor:
-            if isinstance(body, list):
-                return _fetch(body[0], self.config.op_timeout_s)
-            return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            if not isinstance(body, list):
+                return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            array = fetched.pop(body[0], None)
+            return _fetch(body[0], self.config.op_timeout_s) if array is None else _as_tensor(array)
 
         try:
             self.handle(link, header, read)
-        except LinkError as e:
-            self.link_failed(link, str(e))
+        except Exception as e:  # LinkError, or a bug: either way only this link's transfers fail
+            if not isinstance(e, LinkError):
+                log.exception("KV receiver %s: link from %s failed", self.endpoint_id, sender_id)
+            self.link_failed(link, str(e) if isinstance(e, LinkError) else f"internal error: {e!r}")
             del self._links[link_id]
 
     def _flush(self, link: RayRecvLink) -> None:

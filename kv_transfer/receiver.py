@@ -2,8 +2,8 @@
 
 A transport reads messages off its links and hands each to `handle`; the core matches BEGIN to a transfer
 the decode worker announced with `expect` (checking the layout and the block ids against its own cache),
-scatters each LAYER straight into the reserved, non-contiguous destination blocks, and finishes the
-transfer when every layer has landed. Replies (PONG, ACK, NACK) are queued per link and sent by the link's
+scatters each LAYER message (one layer, or a few consecutive ones) straight into the reserved,
+non-contiguous destination blocks, and finishes the transfer when every layer has landed. Replies (PONG, ACK, NACK) are queued per link and sent by the link's
 own thread (`take_replies`), so only that thread ever writes to a link.
 """
 
@@ -21,7 +21,7 @@ from engine.kv_cache import KVCache
 from kv_transfer.base import KVReceiver, TransferResult, TransferStatus
 from kv_transfer.book import TransferBook, TransferState
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.layout import LayoutMismatch, TransferDescriptor, from_bytes, scatter_layer
+from kv_transfer.layout import LayoutMismatch, TransferDescriptor, from_bytes, scatter_layers
 from kv_transfer.wire import Header, LinkError, MsgKind, RecvLink
 
 _MAX_ENDED = 4096
@@ -173,17 +173,20 @@ class LayerwiseReceiver(KVReceiver):
             self._bound.setdefault(link, {})[seq] = state
 
     def _on_layer(self, link: RecvLink, header: Header, read_payload: Callable[[], torch.Tensor]) -> None:
+        """Layers [header.layer, header.layer + count) of one transfer; count = nbytes / layer_nbytes."""
         with self._lock:
             state = self._bound.get(link, {}).get(header.seq)
             if state is None:
                 return  # ended here already (failed or aborted): drop the bytes
             desc = state.descriptor
             assert desc is not None and state.dst_index is not None
-            if not desc.layer_start <= header.layer < desc.layer_stop or header.nbytes != desc.layer_nbytes:
+            count, rest = divmod(header.nbytes, desc.layer_nbytes)
+            if rest or count < 1 or not desc.layer_start <= header.layer <= desc.layer_stop - count:
                 self._fail_locked(state, f"transfer {state.request_id!r}: malformed layer message (layer "
                                          f"{header.layer}, {header.nbytes} bytes)", tell_peer=True)
                 return
-        packed = from_bytes(read_payload(), desc)  # [2, n, block_size, num_kv_heads, head_dim]
+        packed = from_bytes(read_payload(), desc)  # [count, 2, n, block_size, num_kv_heads, head_dim]
+        layers = range(header.layer, header.layer + count)
         if time.monotonic() > state.deadline:
             # NOTE: a layer arriving late never lands, even if the watchdog has not run yet (e.g. this
             # process was paused): the sender already gave up on its own deadline.
@@ -194,27 +197,27 @@ class LayerwiseReceiver(KVReceiver):
         with state.io_lock:
             if state.status.is_finished:
                 return  # failed while the bytes were in flight: its blocks are the worker's again
-            duplicate = header.layer in state.landed
+            duplicate = not state.landed.isdisjoint(layers)
             if not duplicate:
                 self._scatter(state.dst_index, header.layer, packed)
-                state.landed.add(header.layer)
+                state.landed.update(layers)
                 if state.status == TransferStatus.PENDING:
                     state.status = TransferStatus.TRANSFERRING
             complete = len(state.landed) == desc.layer_stop - desc.layer_start
         if duplicate or complete:
             with self._lock:
                 if duplicate:
-                    self._fail_locked(state, f"transfer {state.request_id!r}: layer {header.layer} arrived "
+                    self._fail_locked(state, f"transfer {state.request_id!r}: layers {list(layers)} arrived "
                                              "twice", tell_peer=True)
                 elif self._finish_locked(state, None):
                     self._reply_locked(link, Header(MsgKind.ACK, state.seq), b"")
 
-    def _scatter(self, dst_index: torch.Tensor, layer: int, packed: torch.Tensor) -> None:
+    def _scatter(self, dst_index: torch.Tensor, first: int, packed: torch.Tensor) -> None:
         if self._stream is None:
-            scatter_layer(self.cache.tensor, layer, dst_index, packed)
+            scatter_layers(self.cache.tensor, first, dst_index, packed)
             return
         with torch.cuda.stream(self._stream):
-            scatter_layer(self.cache.tensor, layer, dst_index, packed.to(self.cache.device, non_blocking=True))
+            scatter_layers(self.cache.tensor, first, dst_index, packed.to(self.cache.device, non_blocking=True))
         # NOTE: synchronous, so that DONE means visible to every stream, nothing is written after a
         # transfer is reported finished, and the link may reuse its receive buffer at once.
         self._stream.synchronize()

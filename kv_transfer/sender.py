@@ -3,8 +3,9 @@
 `begin` registers a transfer and queues its descriptor; `send_layer` (called by the model right after a
 layer's KV is written) queues that layer and returns. Per receiver, one link thread connects, then drains
 the queue in order: it packs each layer's source blocks into one buffer (`index_select`) and sends it, so
-the transfer runs while the model computes the next layers; a second thread reads the receiver's replies
-(ACK finishes a transfer, NACK fails it). Many transfers share the link, told apart by their `seq`.
+the transfer runs while the model computes the next layers (consecutive layers that are already waiting
+go out together, see `_coalesce`); a second thread reads the receiver's replies (ACK finishes a transfer,
+NACK fails it). Many transfers share the link, told apart by their `seq`.
 
 A transport subclass only says how to open a link (`_connect`); everything about transfers lives here.
 """
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import queue
 import threading
 import time
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -27,8 +30,12 @@ from engine.kv_cache import KVCache
 from kv_transfer.base import KVSender, PeerAddress, TransferResult, TransferStatus
 from kv_transfer.book import TransferBook, TransferState
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.layout import TransferDescriptor, as_bytes, pack_layer
+from kv_transfer.layout import TransferDescriptor, pack_layers
 from kv_transfer.wire import Header, LinkError, MsgKind, SendLink, bytes_tensor
+
+log = logging.getLogger(__name__)
+
+_MAX_MESSAGE_BYTES = 64 << 20  # layers coalesced into one message stay under this (unless one layer is larger)
 
 
 class _Op(enum.Enum):
@@ -63,6 +70,7 @@ class _LinkWorker:
     def __init__(self, dst: PeerAddress) -> None:
         self.dst = dst
         self.queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self.backlog: deque[_Item] = deque()  # taken out of the queue while coalescing, not yet sent
         self.transfers: dict[int, _SendState] = {}
         self.next_seq = 0
         self.dead = False
@@ -232,6 +240,9 @@ class LayerwiseSender(KVSender):
             self._send_loop(w, link)
         except LinkError as e:
             self._link_failed(w, str(e))
+        except Exception as e:  # a bug or an allocation failure must not leave transfers waiting
+            log.exception("KV sender %s: link to %s failed", self.endpoint_id, w.dst.endpoint_id)
+            self._link_failed(w, f"internal error: {e!r}")
         finally:
             replies.join(timeout=self.config.liveness_s)
             link.close()
@@ -243,65 +254,109 @@ class LayerwiseSender(KVSender):
             if now >= next_ping:  # NOTE: also while busy, so the receiver's replies never go quiet
                 link.send(Header(MsgKind.PING), None)
                 next_ping = now + self.config.keepalive_s
-            try:
-                item = w.queue.get(timeout=max(0.0, next_ping - time.monotonic()))
-            except queue.Empty:
+            if not w.backlog and w.queue.empty():
+                link.flush()  # going idle: make sure what was sent is out (and surface errors now)
+            item = self._next_item(w, max(0.0, next_ping - time.monotonic()))
+            if item is None:
                 continue
             if w.dead:
                 return
             if item.op is _Op.STOP:
                 link.send(Header(MsgKind.BYE), None)
+                link.flush()
                 return
-            if item.op is not _Op.WAKE:
-                self._send_item(link, item)
+            if item.op is _Op.BEGIN:
+                self._send_begin(link, item)
+            elif item.op is _Op.ABORT:
+                self._send_abort(link, item)
+            elif item.op is _Op.LAYER:
+                self._send_layers(link, self._coalesce(w, item))
 
-    def _send_item(self, link: SendLink, item: _Item) -> None:
+    def _next_item(self, w: _LinkWorker, timeout: float | None) -> _Item | None:
+        """The next item in order (the backlog holds items taken out but not yet sent); None on timeout."""
+        if w.backlog:
+            return w.backlog.popleft()
+        try:
+            return w.queue.get_nowait() if timeout is None else w.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _coalesce(self, w: _LinkWorker, first: _Item) -> list[_Item]:
+        """`first` and the consecutive layers of its transfer already waiting behind it.
+
+        NOTE: when the link falls behind the model, the layers that piled up go out as one message (fewer,
+        larger messages: the per-message cost dominates otherwise); when the model is the slower one, each
+        layer still leaves alone, the moment it is offered. Nothing ever waits for more layers."""
+        assert first.state is not None and first.state.descriptor is not None
+        batch = [first]
+        limit = max(1, _MAX_MESSAGE_BYTES // first.state.descriptor.layer_nbytes)
+        while len(batch) < limit:
+            nxt = self._next_item(w, None)
+            if nxt is None:
+                break
+            if nxt.op is not _Op.LAYER or nxt.state is not first.state or nxt.layer != batch[-1].layer + 1:
+                w.backlog.appendleft(nxt)
+                break
+            batch.append(nxt)
+        return batch
+
+    def _send_begin(self, link: SendLink, item: _Item) -> None:
+        state = item.state
+        assert state is not None and state.descriptor is not None
+        with state.io_lock:
+            if state.status.is_finished:
+                return
+        payload = bytes_tensor(state.descriptor.to_bytes())
+        link.send(Header(MsgKind.BEGIN, state.seq, 0, payload.numel()), payload)
+
+    def _send_abort(self, link: SendLink, item: _Item) -> None:
         state = item.state
         assert state is not None
-        if item.op is _Op.ABORT:
-            # NOTE: names the request too: the BEGIN may never have gone out, leaving the seq unknown there
-            raw = bytes_tensor(json.dumps({"request_id": state.request_id, "reason": item.reason}).encode())
-            link.send(Header(MsgKind.ABORT, state.seq, 0, raw.numel()), raw)
-            return
-        assert state.descriptor is not None
+        # NOTE: names the request too: the BEGIN may never have gone out, leaving the seq unknown there
+        raw = bytes_tensor(json.dumps({"request_id": state.request_id, "reason": item.reason}).encode())
+        link.send(Header(MsgKind.ABORT, state.seq, 0, raw.numel()), raw)
+
+    def _send_layers(self, link: SendLink, batch: list[_Item]) -> None:
+        state = batch[0].state
+        assert state is not None
         if time.monotonic() > state.deadline:  # the watchdog may lag (e.g. this process was paused)
             with self._lock:
                 if not state.status.is_finished:
                     self._on_expire(state)
             return
+        assert state.descriptor is not None
+        payload = link.staging(len(batch) * state.descriptor.layer_nbytes)
         with state.io_lock:
             if state.status.is_finished:
                 return  # failed meanwhile: its blocks are the worker's again, do not read them
-            if item.op is _Op.BEGIN:
-                payload = bytes_tensor(state.descriptor.to_bytes())
-                header = Header(MsgKind.BEGIN, state.seq, 0, payload.numel())
-            else:
-                payload = as_bytes(self._pack(state, item.layer, item.event, link.payload_device))
-                header = Header(MsgKind.LAYER, state.seq, item.layer, payload.numel())
-        link.send(header, payload)
-        if item.op is _Op.LAYER:
-            with self._lock:
-                state.layers_sent += 1
-                with state.io_lock:
-                    if state.status == TransferStatus.PENDING:
-                        state.status = TransferStatus.TRANSFERRING
+            self._pack(state, batch[0].layer, [item.event for item in batch], payload)
+        link.send(Header(MsgKind.LAYER, state.seq, batch[0].layer, payload.numel()), payload)
+        with self._lock:
+            state.layers_sent += len(batch)
+            with state.io_lock:
+                if state.status == TransferStatus.PENDING:
+                    state.status = TransferStatus.TRANSFERRING
 
-    def _pack(self, state: _SendState, layer: int, event: torch.cuda.Event | None,
-              device: torch.device) -> torch.Tensor:
-        """[2, n, block_size, num_kv_heads, head_dim] on `device`, complete when this returns."""
-        assert state.src_index is not None
+    def _pack(self, state: _SendState, first: int, events: list[torch.cuda.Event | None], out: torch.Tensor) -> None:
+        """Gather layers [first, first + len(events)) of the transfer's blocks into `out` (flat uint8, on the
+        link's payload device), complete when this returns."""
+        assert state.src_index is not None and state.descriptor is not None
+        shape = (len(events), *state.descriptor.layer_shape)  # [count, 2, n, block_size, heads, head_dim]
+        dest = out.view(self.cache.tensor.dtype).view(shape)
         if self._stream is None:
-            return pack_layer(self.cache.tensor, layer, state.src_index)
+            pack_layers(self.cache.tensor, first, len(events), state.src_index, out=dest)
+            return
         with torch.cuda.stream(self._stream):
-            assert event is not None
-            self._stream.wait_event(event)
-            packed = pack_layer(self.cache.tensor, layer, state.src_index)
-            if packed.device != device:
-                return packed.to(device)  # a synchronous copy: done when it returns
+            for event in events:
+                assert event is not None
+                self._stream.wait_event(event)
+            if dest.device == self.cache.device:
+                pack_layers(self.cache.tensor, first, len(events), state.src_index, out=dest)
+            else:
+                dest.copy_(pack_layers(self.cache.tensor, first, len(events), state.src_index))
             # NOTE: synchronous, so that a failed transfer's blocks are never read after it is reported
             # and the send (on another stream) sees finished data.
             self._stream.synchronize()
-            return packed
 
     def _run_replies(self, w: _LinkWorker, link: SendLink) -> None:
         try:
@@ -324,3 +379,6 @@ class LayerwiseSender(KVSender):
                                                    f"{payload.decode(errors='replace')}")
         except LinkError as e:
             self._link_failed(w, str(e))
+        except Exception as e:
+            log.exception("KV sender %s: replies from %s failed", self.endpoint_id, w.dst.endpoint_id)
+            self._link_failed(w, f"internal error: {e!r}")

@@ -4,7 +4,8 @@ Sender side: the first `begin` towards a receiver opens a link (see `rendezvous`
 later transfer to that receiver until it breaks; a broken link fails its transfers and the next `begin`
 opens a fresh one. Receiver side: a listener thread pops link requests off the receiver's accept queue and
 serves each link on its own thread: read a header (waiting at most `liveness_s`; the sender pings), read
-its payload, hand both to the core, send the replies the core queued.
+its payload, hand both to the core, send the replies the core queued. If the store goes away, existing
+links carry on and the listener retries with backoff.
 
 What a worker needs: the rendezvous store's address (in the config), its own endpoint id, and its node IP
 (`host`), which gloo binds to and advertises to the peer.
@@ -12,9 +13,13 @@ What a worker needs: the rendezvous store's address (in the config), its own end
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import threading
 import uuid
+import weakref
+from collections import deque
 
 import torch
 from torch.distributed import DistStoreError
@@ -22,7 +27,15 @@ from torch.distributed import DistStoreError
 from engine.kv_cache import KVCache
 from kv_transfer.base import PeerAddress
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.pair_group import RECEIVER_RANK, SENDER_RANK, TAG_DATA, TAG_REPLY, PairGroup
+from kv_transfer.pair_group import (
+    RECEIVER_RANK,
+    SENDER_RANK,
+    TAG_HEADER,
+    TAG_PAYLOAD,
+    TAG_REPLY,
+    PairGroup,
+    PendingOp,
+)
 from kv_transfer.receiver import LayerwiseReceiver
 from kv_transfer.rendezvous import (
     LinkRequest,
@@ -39,6 +52,23 @@ log = logging.getLogger(__name__)
 
 _LISTEN_TIMEOUT_S = 3600.0  # a listener's blocking pop; close() wakes it with a sentinel instead
 _CLOSE = "close"
+_WINDOW = 4  # messages a sending link keeps in flight before it waits for the oldest
+
+
+def _close_at_exit(endpoint: TorchKVSender | TorchKVReceiver) -> None:
+    """Close the endpoint when the process exits, if nobody did.
+
+    NOTE: a link or listener thread still blocked in gloo or the store while the interpreter finalizes
+    aborts the process ("terminate called without an active exception"). Weak, so the registration does
+    not keep the endpoint alive."""
+    ref = weakref.ref(endpoint)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    atexit.register(close)
 
 
 class _Staging:
@@ -54,27 +84,54 @@ class _Staging:
 
 
 class TorchSendLink(SendLink):
+    """Streams messages: each is posted (header, then payload, back to back) and the link waits only for the
+    oldest once `_WINDOW` are in flight, or for all of them in `flush`, so packing the next layer overlaps
+    the transfer of the previous ones."""
+
     def __init__(self, group: PairGroup, config: KVTransferConfig) -> None:
         self._group = group
         self._config = config
         self.payload_device = group.nccl_device or torch.device("cpu")
+        self._inflight: deque[list[PendingOp]] = deque()
+        self._next_reply: PendingOp | None = None
+        # NOTE: one more than can be in flight: the buffer handed out next was last used _WINDOW + 1 layer
+        # messages ago, and `send` never leaves more than _WINDOW messages in flight.
+        self._ring = [_Staging(self.payload_device) for _ in range(_WINDOW + 1)]
+        self._turn = 0
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        self._turn = (self._turn + 1) % len(self._ring)
+        return self._ring[self._turn].take(nbytes)
 
     def send(self, header: Header, payload: torch.Tensor | None) -> None:
-        timeout = self._config.op_timeout_s
-        self._group.send(header.to_tensor(), TAG_DATA, timeout)
+        ops = [self._group.isend(header.to_tensor(), TAG_HEADER)]
         if payload is not None and payload.numel():
             if header.kind == MsgKind.LAYER and self._group.nccl is not None:
-                self._group.send_nccl(payload, timeout)
+                ops.append(self._group.isend_nccl(payload))
             else:
-                self._group.send(payload, TAG_DATA, timeout)
+                ops.append(self._group.isend(payload, TAG_PAYLOAD))
+        self._inflight.append(ops)
+        while len(self._inflight) > _WINDOW:
+            self._complete_oldest()
+
+    def flush(self) -> None:
+        while self._inflight:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        for op in self._inflight.popleft():
+            op.wait(self._config.op_timeout_s)
 
     def recv_reply(self) -> tuple[Header, bytes]:
-        raw = torch.empty(HEADER_LEN, dtype=torch.int64)
-        self._group.recv(raw, TAG_REPLY, self._config.liveness_s)
-        header = Header.from_tensor(raw)
+        # NOTE: reply payloads (NACK reasons) share the reply tag: they are small, and rare
+        op = self._next_reply or self._group.irecv(torch.empty(HEADER_LEN, dtype=torch.int64), TAG_REPLY)
+        self._next_reply = None
+        op.wait(self._config.liveness_s)
+        header = Header.from_tensor(op.tensor)
         payload = torch.empty(header.nbytes, dtype=torch.uint8)
         if header.nbytes:
-            self._group.recv(payload, TAG_REPLY, self._config.op_timeout_s)
+            self._group.irecv(payload, TAG_REPLY).wait(self._config.op_timeout_s)
+        self._next_reply = self._group.irecv(torch.empty(HEADER_LEN, dtype=torch.int64), TAG_REPLY)
         return header, payload.numpy().tobytes()
 
     def close(self) -> None:
@@ -82,34 +139,55 @@ class TorchSendLink(SendLink):
 
 
 class TorchRecvLink(RecvLink):
+    """Reads messages in order, always with receives posted ahead of the data.
+
+    NOTE: gloo is several times slower, in CPU and in time, when a message arrives before its receive is
+    posted. So a header receive is always posted, and the moment a header lands the link posts its payload's
+    receive and the next header's, before anything else runs.
+    """
+
     def __init__(self, group: PairGroup, peer_id: str, config: KVTransferConfig) -> None:
         self.peer_id = peer_id
         self._group = group
         self._config = config
         self._cpu = _Staging(torch.device("cpu"))
         self._gpu = _Staging(group.nccl_device) if group.nccl_device is not None else None
+        self._next_header = self._post_header()
+        self._payload: PendingOp | None = None
 
     def recv_header(self) -> Header:
-        raw = torch.empty(HEADER_LEN, dtype=torch.int64)
-        self._group.recv(raw, TAG_DATA, self._config.liveness_s)
-        return Header.from_tensor(raw)
+        """The next header; its payload (if any) is then already being received, for `read_payload`."""
+        assert self._payload is None, "the previous payload must be read first"
+        op = self._next_header
+        op.wait(self._config.liveness_s)  # the sender pings at least every keepalive_s
+        header = Header.from_tensor(op.tensor)
+        if header.nbytes:
+            if header.kind == MsgKind.LAYER and self._gpu is not None:
+                self._payload = self._group.irecv_nccl(self._gpu.take(header.nbytes))
+            else:
+                self._payload = self._group.irecv(self._cpu.take(header.nbytes), TAG_PAYLOAD)
+        self._next_header = self._post_header()
+        return header
 
     def read_payload(self, header: Header) -> torch.Tensor:
-        if header.kind == MsgKind.LAYER and self._gpu is not None:
-            buf = self._gpu.take(header.nbytes)
-            self._group.recv_nccl(buf, self._config.op_timeout_s)
-        else:
-            buf = self._cpu.take(header.nbytes)
-            self._group.recv(buf, TAG_DATA, self._config.op_timeout_s)
-        return buf
+        """The payload of the header just read (flat uint8, valid until the next `recv_header`)."""
+        op, self._payload = self._payload, None
+        assert op is not None and op.tensor.numel() == header.nbytes, "read_payload without a payload"
+        op.wait(self._config.op_timeout_s)
+        return op.tensor
 
     def send_reply(self, header: Header, payload: bytes) -> None:
-        self._group.send(header.to_tensor(), TAG_REPLY, self._config.op_timeout_s)
+        ops = [self._group.isend(header.to_tensor(), TAG_REPLY)]
         if payload:
-            self._group.send(bytes_tensor(payload), TAG_REPLY, self._config.op_timeout_s)
+            ops.append(self._group.isend(bytes_tensor(payload), TAG_REPLY))
+        for op in ops:
+            op.wait(self._config.op_timeout_s)
 
     def close(self) -> None:
         self._group.close()
+
+    def _post_header(self) -> PendingOp:
+        return self._group.irecv(torch.empty(HEADER_LEN, dtype=torch.int64), TAG_HEADER)
 
 
 class TorchKVSender(LayerwiseSender):
@@ -123,6 +201,7 @@ class TorchKVSender(LayerwiseSender):
         super().__init__(endpoint_id, cache, config)
         self.host = host
         self._device = device_tag(cache.device)
+        _close_at_exit(self)
 
     def _connect(self, dst: PeerAddress) -> SendLink:
         cfg = self.config
@@ -149,8 +228,10 @@ class TorchKVReceiver(LayerwiseReceiver):
         self._queue = accept_queue_key(config.namespace, endpoint_id, self._address.incarnation)
         self._listen_store = connect_store(config.rendezvous_host, config.rendezvous_port, _LISTEN_TIMEOUT_S)
         self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()  # wakes a listener backing off from a store outage
         self._listener = threading.Thread(target=self._listen, daemon=True, name=f"kv-accept-{endpoint_id}")
         self._listener.start()
+        _close_at_exit(self)
 
     @property
     def address(self) -> PeerAddress:
@@ -159,6 +240,7 @@ class TorchKVReceiver(LayerwiseReceiver):
     def close(self) -> None:
         if not self._close_transfers():
             return
+        self._stop.set()
         cfg = self.config
         assert cfg.rendezvous_host is not None and cfg.rendezvous_port is not None
         try:
@@ -172,15 +254,23 @@ class TorchKVReceiver(LayerwiseReceiver):
         self._book.close()
 
     def _listen(self) -> None:
-        while True:
+        cfg, backoff = self.config, 0.5
+        assert cfg.rendezvous_host is not None and cfg.rendezvous_port is not None
+        while not self._closed:
             try:
                 raw = self._listen_store.queue_pop(self._queue)
             except DistStoreError:
                 continue  # nobody asked for an hour
-            except RuntimeError as e:
-                log.error("KV receiver %s stops accepting links: the rendezvous store failed: %s",
-                          self.endpoint_id, e)
-                return
+            except RuntimeError as e:  # the store went away: existing links go on; retry for new ones
+                log.warning("KV receiver %s: rendezvous store unreachable (%s); retrying in %.1fs",
+                            self.endpoint_id, e, backoff)
+                if self._stop.wait(backoff):
+                    return
+                backoff = min(2 * backoff, 30.0)
+                with contextlib.suppress(RuntimeError):  # still down: the next pop fails and we back off
+                    self._listen_store = connect_store(cfg.rendezvous_host, cfg.rendezvous_port, _LISTEN_TIMEOUT_S)
+                continue
+            backoff = 0.5
             if raw.decode() == _CLOSE:
                 return
             t = threading.Thread(target=self._serve, args=(LinkRequest.from_json(raw),), daemon=True,
@@ -199,7 +289,12 @@ class TorchKVReceiver(LayerwiseReceiver):
         except (LinkError, RuntimeError) as e:
             log.warning("KV receiver %s: link from %s not formed: %s", self.endpoint_id, request.sender, e)
             return
-        link = TorchRecvLink(group, request.sender, cfg)
+        try:
+            link = TorchRecvLink(group, request.sender, cfg)
+        except LinkError as e:
+            group.close()
+            log.warning("KV receiver %s: link from %s broke at once: %s", self.endpoint_id, request.sender, e)
+            return
         try:
             while True:
                 header = link.recv_header()
@@ -223,5 +318,8 @@ class TorchKVReceiver(LayerwiseReceiver):
                     raise LinkError("the receiver closed")
         except LinkError as e:
             self.link_failed(link, str(e))
+        except Exception as e:  # a bug or an allocation failure must not leave transfers waiting
+            log.exception("KV receiver %s: link from %s failed", self.endpoint_id, request.sender)
+            self.link_failed(link, f"internal error: {e!r}")
         finally:
             link.close()

@@ -4,7 +4,8 @@ Every message is a small fixed header, then `nbytes` of payload when `nbytes > 0
 link: the sender numbers each transfer on the link (`seq`) and the header says which transfer a message
 belongs to, so the receiver dispatches without any per-transfer channel.
 
-    sender -> receiver: PING | BEGIN(seq, descriptor) | LAYER(seq, layer, packed KV) | ABORT(seq, reason) | BYE
+    sender -> receiver: PING | BEGIN(seq, descriptor) | LAYER(seq, first layer, packed KV of k >= 1 layers)
+                        | ABORT(seq, request id + reason) | BYE
     receiver -> sender: PONG | ACK(seq) | NACK(seq, reason) | BYE
 
 The sender pings at least every `keepalive_s` and the receiver answers each ping, so both directions carry
@@ -71,9 +72,19 @@ class SendLink(ABC):
     payload_device: torch.device
 
     @abstractmethod
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer of `nbytes` on `payload_device` to pack the next LAYER payload into. The link
+        hands out a buffer only once no earlier message still uses it (reused: no page faults per message)."""
+
+    @abstractmethod
     def send(self, header: Header, payload: torch.Tensor | None) -> None:
-        """Send a header and its payload (flat uint8 of `header.nbytes`). Blocks at most `op_timeout_s`;
-        LinkError when the link is broken."""
+        """Send a header and its payload (flat uint8 of `header.nbytes`; the link keeps it alive until it is
+        out). Blocks at most `op_timeout_s` per message; LinkError when the link is broken."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Wait until every message given to `send` is out (a link may keep a few in flight); LinkError as
+        `send`. Called before the link goes idle."""
 
     @abstractmethod
     def recv_reply(self) -> tuple[Header, bytes]:

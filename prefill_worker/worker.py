@@ -38,6 +38,9 @@ class PrefillResult:
     scheduled_at: float = 0.0
     sampled_at: float = 0.0
     kv_done_at: float = 0.0
+    kv_seconds: float = 0.0  # transfer opened -> every layer acknowledged (overlaps the prefill compute)
+    kv_bytes: int = 0
+    kv_failed: bool = False  # the error, if any, is the KV transfer's
     report: LoadReport | None = None
 
     @property
@@ -55,6 +58,8 @@ class _Job:
     scheduled_at: float = 0.0
     sampled_at: float = 0.0
     transfer_open: bool = False
+    transfer_opened_at: float = 0.0
+    transfer_bytes: int = 0
 
 
 class PrefillWorker:
@@ -87,6 +92,17 @@ class PrefillWorker:
 
         await asyncio.wrap_future(self.loop.call(add))
         return await future
+
+    async def describe(self) -> dict:
+        """What this worker holds right now (for debugging and operators)."""
+
+        def describe() -> dict:
+            return {"jobs": {rid: {"status": j.request.status.name, "transfer_open": j.transfer_open,
+                                   "transfer": self.sender.poll(rid).name if j.transfer_open else None}
+                             for rid, j in self.jobs.items()},
+                    "requests": {rid: r.status.name for rid, r in self.engine.scheduler.requests.items()}}
+
+        return await asyncio.wrap_future(self.loop.call(describe))
 
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: self._end(request_id, "aborted by the router")))
@@ -128,6 +144,8 @@ class PrefillWorker:
         self.sender.begin(req.request_id, job.dst, req.block_ids[skip:n], job.dst_block_ids[skip:n],
                           time.monotonic() + KV_TRANSFER_TIMEOUT_S)
         job.transfer_open = True
+        job.transfer_opened_at = time.time()
+        job.transfer_bytes = (n - skip) * self.engine.cache_spec.bytes_per_block
         return True
 
     def _on_step(self, out: StepOutput) -> None:
@@ -159,9 +177,11 @@ class PrefillWorker:
         # the worker is done with the request either way; its full blocks stay in the prefix cache
         self.engine.scheduler.finish(req, RequestStatus.FINISHED_ERROR if error else
                                      (stop or RequestStatus.FINISHED_LENGTH))
+        now = time.time()
         result = PrefillResult(req.request_id, first, None if stop is None else FINISH_REASONS[stop].value,
-                               req.num_cached_tokens, error, job.scheduled_at, job.sampled_at, time.time(),
-                               self._report())
+                               req.num_cached_tokens, error, job.scheduled_at, job.sampled_at, now,
+                               now - job.transfer_opened_at if job.transfer_open else 0.0,
+                               job.transfer_bytes, transfer is not None and not transfer.ok, self._report())
         _resolve(job.future, result)
 
     def _end(self, request_id: str, reason: str) -> None:

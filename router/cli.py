@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import sys
@@ -20,6 +19,15 @@ def _resources(text: str) -> dict[str, float]:
     if not isinstance(value, dict) or not all(isinstance(v, int | float) for v in value.values()):
         raise argparse.ArgumentTypeError('expected a JSON object of numbers, e.g. \'{"GPU": 1}\'')
     return value
+
+
+def _metrics_port(text: str) -> int | None:
+    if text == "off":
+        return None
+    try:
+        return int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError("expected a port number or 'off'") from e
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +53,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--metrics-port", type=_metrics_port, default=9400,
+                   help="Prometheus /metrics port, bound on --host (default 9400; 0: any free port; "
+                        "'off': no endpoint)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
 
@@ -61,7 +72,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from router.server import ServeConfig, serve_forever
+    from router.server import ServeConfig, ServeError, serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -72,12 +83,17 @@ def serve(args: argparse.Namespace) -> int:
             decode_resources=args.decode_resources, kv_transport=args.kv_transport, routing=args.routing,
             worker_threads=args.worker_threads, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_queue=args.max_queue, device=args.device, dtype=args.dtype)
+            max_queue=args.max_queue, metrics_port=args.metrics_port, device=args.device, dtype=args.dtype)
     except ValueError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         asyncio.run(serve_forever(config))
+    except ServeError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,41 +76,78 @@ class Worker:
         self.load = dataclasses.replace(self.load, alive=False)
 
 
-async def start_workers(specs: list[PoolSpec], kv_config: Any, name_prefix: str = "") -> list[Worker]:
-    """Start every pool's actors and wait until each has loaded its model (startup progress on stderr)."""
-    import ray
+class PoolManager:
+    """Keeps each pool at its target size: starts the workers, notices lost ones, starts replacements.
 
-    from decode_worker import DecodeWorker
-    from prefill_worker import PrefillWorker
+    A worker whose actor dies (its node left, it crashed) is reported through `on_lost` and replaced as soon
+    as Ray can place a new actor with the pool's resources: a node joining lets the pool grow back.
+    Replacements Ray cannot place yet stay pending (one per missing worker), never piling up.
+    """
 
-    actors = []
-    for spec in specs:
+    def __init__(self, specs: list[PoolSpec], kv_config: Any, on_ready: Callable[[Worker], None],
+                 on_lost: Callable[[Worker], None], on_report: Callable[[Worker, LoadReport], None]) -> None:
+        self.specs = specs
+        self.kv_config = kv_config
+        self.on_ready, self.on_lost, self.on_report = on_ready, on_lost, on_report
+        self.workers: dict[str, Worker] = {}
+        self.pending: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
+        self._next_index: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
+        self._tasks: set[asyncio.Task] = set()
+
+    def live(self, kind: PoolKind | None = None) -> list[Worker]:
+        return [w for w in self.workers.values() if w.alive and (kind is None or w.kind is kind)]
+
+    async def start(self) -> None:
+        """Start every pool's workers and wait until each has loaded its model."""
+        starts = [self._start_one(spec) for spec in self.specs for _ in range(spec.num_workers)]
+        total = len(starts)
+        for n, fut in enumerate(asyncio.as_completed(starts), 1):
+            worker = await fut
+            logger.info("worker %s ready on node %s (%d/%d)", worker.worker_id, worker.info.node_ip, n, total)
+
+    async def maintain(self, interval_s: float = 0.5) -> None:
+        """Forever: refresh every live worker's load, retire dead ones, top pools back up."""
+        import ray
+
+        while True:
+            live = self.live()
+            results = await asyncio.gather(*(w.actor.report.remote() for w in live), return_exceptions=True)
+            for w, r in zip(live, results):
+                if isinstance(r, ray.exceptions.RayActorError):
+                    self.lose(w, str(r))
+                elif isinstance(r, LoadReport):
+                    self.on_report(w, r)
+            for spec in self.specs:
+                for _ in range(spec.num_workers - len(self.live(spec.kind)) - self.pending[spec.kind]):
+                    task = asyncio.ensure_future(self._start_one(spec))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+            await asyncio.sleep(interval_s)
+
+    def lose(self, worker: Worker, why: str) -> None:
+        if worker.alive:
+            logger.error("worker %s on node %s lost: %s", worker.worker_id, worker.info.node_ip, why)
+            worker.mark_dead()
+            self.on_lost(worker)
+
+    async def _start_one(self, spec: PoolSpec) -> Worker:
+        import ray
+
+        from decode_worker import DecodeWorker
+        from prefill_worker import PrefillWorker
+
         cls = PrefillWorker if spec.kind is PoolKind.PREFILL else DecodeWorker
-        remote_cls = ray.remote(cls).options(**spec.actor_options())
-        for i in range(spec.num_workers):
-            worker_id = f"{name_prefix}{spec.kind.value}-{i}"
-            kv = None if spec.kind is PoolKind.COLOCATED else kv_config
-            actors.append((spec.kind, remote_cls.remote(worker_id, spec.engine, kv)))
-    workers = []
-    for n, (kind, actor) in enumerate(actors, 1):
-        info: WorkerInfo = await actor.info.remote()
-        logger.info("worker %s ready on node %s (%d/%d)", info.worker_id, info.node_ip, n, len(actors))
-        workers.append(Worker(info, actor, WorkerLoad(info.worker_id, info.node_id, kind,
-                                                      free_blocks=info.num_blocks, total_blocks=info.num_blocks)))
-    return workers
-
-
-async def refresh_loads(workers: list[Worker], on_report, interval_s: float = 0.5) -> None:
-    """Poll every live worker's load forever (placement also learns from each reply and step)."""
-    import ray
-
-    while True:
-        live = [w for w in workers if w.alive]
-        results = await asyncio.gather(*(w.actor.report.remote() for w in live), return_exceptions=True)
-        for w, r in zip(live, results):
-            if isinstance(r, ray.exceptions.RayActorError):
-                logger.error("worker %s died: %s", w.worker_id, r)
-                w.mark_dead()
-            elif isinstance(r, LoadReport):
-                on_report(w, r)
-        await asyncio.sleep(interval_s)
+        worker_id = f"{spec.kind.value}-{self._next_index[spec.kind]}"
+        self._next_index[spec.kind] += 1
+        kv = None if spec.kind is PoolKind.COLOCATED else self.kv_config
+        actor = ray.remote(cls).options(**spec.actor_options()).remote(worker_id, spec.engine, kv)
+        self.pending[spec.kind] += 1
+        try:
+            info: WorkerInfo = await actor.info.remote()
+        finally:
+            self.pending[spec.kind] -= 1
+        worker = Worker(info, actor, WorkerLoad(info.worker_id, info.node_id, spec.kind,
+                                                free_blocks=info.num_blocks, total_blocks=info.num_blocks))
+        self.workers[worker_id] = worker
+        self.on_ready(worker)
+        return worker

@@ -28,6 +28,7 @@ from engine.block_hash import hash_blocks
 from engine.config import cdiv
 from engine.engine_loop import StepOutput, TokenDelta
 from engine.worker_types import LoadReport
+from router.observer import RequestObserver
 from router.placement import PoolKind, RoundRobinPrefill, choose_decode, choose_prefill
 from router.pool import Worker
 from router.prefix_index import PrefixIndex
@@ -68,6 +69,8 @@ class RouterEvent:
 class RequestState:
     request_id: str
     queue: asyncio.Queue  # (TokenDelta, step time) from a decode/colocated worker's stream
+    arrival: float = field(default_factory=time.time)
+    pool: str = ""  # the pool whose TTFT this is: "prefill" or "colocated"
     prefill_worker: str = ""
     decode_worker: str = ""
     num_cached_tokens: int = 0
@@ -76,11 +79,12 @@ class RequestState:
 
 
 class Router:
-    def __init__(self, workers: list[Worker], block_size: int, policy: str = "prefix",
-                 max_queue: int = 256, admission_timeout_s: float = 60.0) -> None:
+    def __init__(self, block_size: int, policy: str = "prefix",
+                 max_queue: int = 256, admission_timeout_s: float = 60.0,
+                 observer: RequestObserver | None = None) -> None:
         if policy not in ("prefix", "round-robin"):
             raise ValueError(f"routing policy must be 'prefix' or 'round-robin', got {policy!r}")
-        self.workers = {w.worker_id: w for w in workers}
+        self.workers: dict[str, Worker] = {}
         self.block_size = block_size
         self.choose_prefill = choose_prefill if policy == "prefix" else RoundRobinPrefill()
         self.max_queue = max_queue
@@ -90,19 +94,31 @@ class Router:
         self.num_queued = 0
         self._room = asyncio.Event()  # set whenever blocks may have been freed somewhere
         self._tasks: set[asyncio.Task] = set()
+        self.observer = observer or RequestObserver()
 
     @property
     def disaggregated(self) -> bool:
         return any(w.kind is PoolKind.PREFILL for w in self.workers.values())
 
-    def start(self) -> None:
-        """Open one step stream per decoding worker (call once, inside the event loop)."""
-        for w in self.workers.values():
-            if w.kind.decodes:
-                self._spawn(self._consume_steps(w))
+    def add_worker(self, worker: Worker) -> None:
+        """A worker is up: place requests on it (and listen to its steps, if it decodes)."""
+        self.workers[worker.worker_id] = worker
+        if worker.kind.decodes:
+            self._spawn(self._consume_steps(worker))
+        self._room.set()
+
+    def remove_worker(self, worker: Worker) -> None:
+        """A worker is gone: never place on it again, and end the requests it was serving."""
+        worker.mark_dead()
+        self.index.remove_worker(worker.worker_id)
+        self.observer.on_worker_lost(worker)
+        for state in list(self.inflight.values()):
+            if worker.worker_id in (state.decode_worker, state.prefill_worker):
+                state.queue.put_nowait((None, time.time()))
 
     def apply_report(self, worker: Worker, report: LoadReport) -> None:
         worker.apply(report)
+        self.observer.on_report(worker, report)
         if worker.kind.prefills:
             self.index.apply(worker.worker_id, report.stored, report.removed)
         self._room.set()
@@ -114,7 +130,7 @@ class Router:
         if rid in self.inflight:
             raise RouterError("ALREADY_EXISTS", f"request_id: {rid!r} is already in flight")
         state = self.inflight[rid] = RequestState(rid, asyncio.Queue())
-        arrival = time.time()
+        arrival = state.arrival
         try:
             path = self._disaggregated if self.disaggregated else self._colocated
             async for event in path(req, state, arrival):
@@ -135,6 +151,7 @@ class Router:
         choice = self._choose_prefill(ids)
         worker = self.workers[choice.worker_id]
         state.prefill_worker = state.decode_worker = worker.worker_id
+        state.pool = PoolKind.COLOCATED.value
         await self._call(worker, worker.actor.submit.remote(req.request_id, ids, req.params))
         first = True
         while True:
@@ -153,6 +170,7 @@ class Router:
         choice = self._choose_prefill(ids)
         prefill = self.workers[choice.worker_id]
         state.prefill_worker = prefill.worker_id
+        state.pool = PoolKind.PREFILL.value
         # NOTE: counted from the moment of choice, so a burst of requests placed together spreads out
         todo = len(ids) - choice.cached_blocks * self.block_size
         prefill.inflight_prefill_tokens += todo
@@ -166,6 +184,9 @@ class Router:
             prefill.inflight_prefill_tokens -= todo
         if result.report is not None:
             self.apply_report(prefill, result.report)
+        if result.kv_bytes or result.kv_failed:
+            self.observer.on_kv_transfer(prefill.worker_id, decode.worker_id, result.kv_seconds,
+                                         result.kv_bytes, result.ok)
         if not result.ok:
             raise RouterError("UNAVAILABLE", f"prefill on {prefill.worker_id} failed: {result.error}")
         t = state.timing
@@ -253,17 +274,14 @@ class Router:
             async for ref in worker.actor.stream_steps.options(num_returns="streaming").remote():
                 out: StepOutput = await ref
                 if out.load is not None:
-                    worker.apply(LoadReport(worker.worker_id, out.load))
+                    self.apply_report(worker, LoadReport(worker.worker_id, out.load))
                 for delta in out.deltas:
                     state = self.inflight.get(delta.request_id)
                     if state is not None:
                         state.queue.put_nowait((delta, out.time))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
             logger.error("decode worker %s stream ended: %s", worker.worker_id, e)
-        worker.mark_dead()
-        for state in list(self.inflight.values()):
-            if worker.worker_id in (state.decode_worker, state.prefill_worker):
-                state.queue.put_nowait((None, time.time()))
+        self.remove_worker(worker)
 
     async def _next_delta(self, state: RequestState, worker: Worker) -> tuple[TokenDelta, float]:
         delta, step_time = await state.queue.get()
@@ -286,7 +304,7 @@ class Router:
         try:
             return await ref
         except ray.exceptions.RayActorError as e:
-            worker.mark_dead()
+            self.remove_worker(worker)
             raise RouterError("UNAVAILABLE", f"worker {worker.worker_id} is gone: {e}") from e
 
     async def _abort(self, worker: Worker, request_id: str) -> None:

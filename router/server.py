@@ -19,8 +19,9 @@ from engine.tokenizer import Tokenizer
 from engine.worker_types import node_identity
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.metrics import Metrics, MetricsEndpoint
 from router.placement import PoolKind
-from router.pool import PoolSpec, refresh_loads, start_workers
+from router.pool import PoolManager, PoolSpec
 from router.router import Router
 from router.servicer import GenerationServicer, RequestObserver
 from router.validation import Limits
@@ -50,6 +51,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 512  # decode/colocated step budget
     prefill_max_num_batched_tokens: int = 2048  # prefill pool: no decode rows to protect, bigger chunks
     max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
+    metrics_port: int | None = 9400  # Prometheus /metrics; None -> no metrics endpoint, 0 -> any free port
     device: str | None = None
     dtype: str | None = None
 
@@ -64,6 +66,11 @@ class ServeConfig:
             raise ValueError("need at least one prefill and one decode worker (or --colocated-workers N)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
+        if self.metrics_port is not None:
+            if not 0 <= self.metrics_port < 65536:
+                raise ValueError(f"--metrics-port must be in 0..65535 (0: any free port), got {self.metrics_port}")
+            if self.metrics_port == self.port != 0:
+                raise ValueError(f"--metrics-port and --port are both {self.port}; give them different ports")
 
     @property
     def num_workers(self) -> int:
@@ -86,12 +93,23 @@ class ServeConfig:
                          self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
 
 
+class ServeError(RuntimeError):
+    """The deployment cannot start (a port taken, ...); the message says what to change."""
+
+
 class Server:
     """One running deployment: Ray pools, router, gRPC server. `start()`, then `stop()`."""
 
     def __init__(self, config: ServeConfig, observer: RequestObserver | None = None) -> None:
+        """`observer` replaces the server's own `Metrics` (made when config.metrics_port is set); the
+        `/metrics` endpoint serves it when it is a `Metrics`."""
         self.config = config
+        if observer is None and config.metrics_port is not None:
+            observer = Metrics(config.model)
         self.observer = observer
+        self.metrics = observer if isinstance(observer, Metrics) else None
+        self.metrics_endpoint: MetricsEndpoint | None = None
+        self.metrics_port: int | None = None  # the bound port once started (config.metrics_port may be 0)
         self.grpc: grpc.aio.Server | None = None
         self.router: Router | None = None
         self.rendezvous = None
@@ -118,19 +136,29 @@ class Server:
         try:
             self.port = self.grpc.add_insecure_port(f"{c.host}:{c.port}")
         except RuntimeError as e:
-            raise SystemExit(f"pdserve: cannot listen on {c.host}:{c.port} ({e}); is the port taken? "
+            raise ServeError(f"cannot listen on {c.host}:{c.port} ({e}); is the port taken? "
                              "Pass another --port.") from e
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
+        if self.metrics is not None and c.metrics_port is not None:
+            try:
+                self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, c.host, c.metrics_port)
+            except OSError as e:
+                await self.grpc.stop(None)
+                raise ServeError(f"cannot serve metrics on {c.host}:{c.metrics_port} ({e}); is the "
+                                 "port taken? Pass another --metrics-port (0: any free port).") from e
+            self.metrics_port = self.metrics_endpoint.port
+            log(f"Prometheus metrics on http://{c.host}:{self.metrics_port}/metrics")
 
         kv_config = self._kv_config()
         log(f"starting {c.num_workers} workers for {c.model} "
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
-        workers = await start_workers(c.pool_specs(), kv_config)
-        self.router = Router(workers, c.block_size, c.routing, c.max_queue)
-        self.router.start()
-        self._tasks.append(asyncio.ensure_future(refresh_loads(workers, self.router.apply_report)))
+        self.router = Router(c.block_size, c.routing, c.max_queue, observer=self.observer)
+        self.pools = PoolManager(c.pool_specs(), kv_config, on_ready=self.router.add_worker,
+                                 on_lost=self.router.remove_worker, on_report=self.router.apply_report)
+        await self.pools.start()
+        self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         servicer.router = self.router
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -156,13 +184,15 @@ class Server:
         if self.router is not None:
             import ray
 
-            workers = list(self.router.workers.values())
+            workers = list(self.pools.workers.values())
             # let each worker close its KV links cleanly before the processes go
             await asyncio.wait([asyncio.ensure_future(w.actor.shutdown.remote()) for w in workers], timeout=10)
             for w in workers:
                 ray.kill(w.actor)
         if self.rendezvous is not None:  # after the workers: they hold clients of it
             self.rendezvous.close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
 
 
 def pin_ray_to_loopback() -> None:

@@ -7,23 +7,15 @@ import grpc
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.observer import RequestObserver
 from router.placement import PoolKind
-from router.router import RequestState, Router, RouterError, RouterEvent
+from router.router import RequestState, Router, RouterError
 from router.stop import StopStringMatcher
 from router.validation import InvalidArgument, Limits, ValidatedRequest, validate_request
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 POOL_KINDS = {PoolKind.PREFILL: pb.POOL_KIND_PREFILL, PoolKind.DECODE: pb.POOL_KIND_DECODE,
               PoolKind.COLOCATED: pb.POOL_KIND_COLOCATED}
-
-
-class RequestObserver:
-    """What the servicer reports about each request (metrics implement it; the default does nothing)."""
-
-    def on_event(self, req: ValidatedRequest, state: RequestState, event: RouterEvent) -> None: ...
-
-    def on_end(self, req: ValidatedRequest, state: RequestState, outcome: str, completion_tokens: int) -> None:
-        ...
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -69,8 +61,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
         finally:
             await stream.aclose()  # a stop string or a cancel ends the router's stream: it frees the blocks
-            if state is not None:
-                self.observer.on_end(req, state, outcome, completion)
+            self.observer.on_end(req, state, outcome, completion)  # state is None if it never started
 
     def _response(self, req: ValidatedRequest, state: RequestState, token_ids: list[int], text: str,
                   finish: str | None, completion: int) -> pb.GenerateResponse:

@@ -95,7 +95,7 @@ def test_preemption_under_block_pressure_recomputes_and_matches():
     while engine.has_unfinished_requests():
         out = engine.scheduler.schedule()
         preempted += len(out.preempted)
-        if not out.is_empty:
+        if out.chunks:
             engine.scheduler.update(out, engine.runner.execute(out).argmax(-1).tolist())
     assert preempted > 0
     assert [r.output_token_ids for r in reqs] == want

@@ -2,7 +2,8 @@
 
 A `Peer` behaves like the two workers do: it reserves blocks from a real BlockAllocator, `expect`s them,
 pushes layers from a "model" thread, and runs a step loop that collects finished transfers and frees blocks
-(the receiver's on failure only, the sender's always). The same class runs in a spawned process
+(the receiver's on failure only, the sender's always). It hosts any number of endpoints (one per key, each
+with its own cache, allocator and transport config). The same class runs in a spawned process
 (`ProcessPeer`) or as a Ray actor (`RayPeer`); both offer `call(method, *args)`.
 """
 
@@ -77,8 +78,8 @@ class _Endpoint:
 
 
 class Peer:
-    def __init__(self, name: str, config: KVTransferConfig, host: str = HOST) -> None:
-        self.name, self.config, self.host = name, config, host
+    def __init__(self, name: str, host: str = HOST) -> None:
+        self.name, self.host = name, host
         self._rng = random.Random(name)
         self._gen = torch.Generator().manual_seed(self._rng.randrange(2**31))
         self._eps: dict[str, _Endpoint] = {}
@@ -92,13 +93,15 @@ class Peer:
     def endpoint_id(self, key: str) -> str:
         return f"{self.name}/{key}"
 
-    def open_receiver(self, key: str, spec: Spec, num_blocks: int, device: str = "cpu") -> PeerAddress:
-        ep = self._open(key, spec, num_blocks, device, receiver=True)
+    def open_receiver(self, key: str, spec: Spec, num_blocks: int, config: KVTransferConfig,
+                      device: str = "cpu") -> PeerAddress:
+        ep = self._open(key, spec, num_blocks, config, device, receiver=True)
         assert isinstance(ep.transport, KVReceiver)
         return ep.transport.address
 
-    def open_sender(self, key: str, spec: Spec, num_blocks: int, device: str = "cpu") -> str:
-        self._open(key, spec, num_blocks, device, receiver=False)
+    def open_sender(self, key: str, spec: Spec, num_blocks: int, config: KVTransferConfig,
+                    device: str = "cpu") -> str:
+        self._open(key, spec, num_blocks, config, device, receiver=False)
         return self.endpoint_id(key)
 
     def reserve(self, key: str, request_id: str, n: int, skip: int, src: str, timeout_s: float) -> list[int]:
@@ -186,7 +189,8 @@ class Peer:
         for ep in eps:
             ep.transport.close()
 
-    def _open(self, key: str, spec: Spec, num_blocks: int, device: str, receiver: bool) -> _Endpoint:
+    def _open(self, key: str, spec: Spec, num_blocks: int, config: KVTransferConfig, device: str,
+              receiver: bool) -> _Endpoint:
         cache = KVCache(spec.kv(), num_blocks, device)
         allocator = BlockAllocator(num_blocks, enable_caching=False)
         ids = allocator.allocate(num_blocks)  # shuffle the free queue: reserved ids come out scattered
@@ -194,7 +198,7 @@ class Peer:
         self._rng.shuffle(ids)
         allocator.free(ids)
         make = create_receiver if receiver else create_sender
-        ep = _Endpoint(cache, allocator, make(self.config, self.endpoint_id(key), cache, self.host))
+        ep = _Endpoint(cache, allocator, make(config, self.endpoint_id(key), cache, self.host))
         with self._cv:
             self._eps[key] = ep
         return ep
@@ -222,8 +226,8 @@ def _bytes_as(cache: torch.Tensor, n: int, make: Any, *args: Any, **kwargs: Any)
     return make(shape, *args, dtype=torch.uint8, **kwargs).view(cache.dtype).to(cache.device)
 
 
-def _serve(conn: Any, name: str, config: KVTransferConfig) -> None:
-    peer = Peer(name, config)
+def _serve(conn: Any, name: str) -> None:
+    peer = Peer(name)
     conn.send((True, None))
     while True:
         method, args = conn.recv()
@@ -238,11 +242,11 @@ class ProcessPeer:
 
     kind = "mp"
 
-    def __init__(self, name: str, config: KVTransferConfig) -> None:
+    def __init__(self, name: str) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, name, config), daemon=True, name=f"peer-{name}")
+        self.proc = ctx.Process(target=_serve, args=(child, name), daemon=True, name=f"peer-{name}")
         self.proc.start()
         self._ready = False
 
@@ -278,14 +282,14 @@ class RayPeer:
 
     kind = "ray"
 
-    def __init__(self, name: str, config: KVTransferConfig) -> None:
+    def __init__(self, name: str) -> None:
         import ray
 
         self.name = name
         env = {"PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests", "kv_transfer")]),
                "RAY_AUTH_MODE": "disabled"}
         self.actor = ray.remote(Peer).options(num_cpus=0, max_concurrency=4,
-                                              runtime_env={"env_vars": env}).remote(name, config)
+                                              runtime_env={"env_vars": env}).remote(name)
 
     def call(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
         import ray

@@ -51,11 +51,11 @@ def test_layers_written_on_a_compute_stream_are_packed_only_after_the_compute(re
 ])
 def test_blocks_arrive_bit_for_bit_between_processes_on_cuda(rendezvous, devices):
     cfg = make_config("torch", rendezvous.port)
-    a, c = ProcessPeer(f"gpu-a-{devices[1]}", cfg), ProcessPeer(f"gpu-c-{devices[1]}", cfg)
+    a, c = ProcessPeer(f"gpu-a-{devices[1]}"), ProcessPeer(f"gpu-c-{devices[1]}")
     try:
         spec = Spec(num_layers=4, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
-        dst = c.call("open_receiver", "k", spec, 64, devices[1])
-        src = a.call("open_sender", "k", spec, 64, devices[0])
+        dst = c.call("open_receiver", "k", spec, 64, cfg, devices[1])
+        src = a.call("open_sender", "k", spec, 64, cfg, devices[0])
         free = c.call("num_free", "k"), a.call("num_free", "k")
         for rid, n, skip in (("r1", 8, 0), ("r2", 5, 2)):
             ids = c.call("reserve", "k", rid, n, skip, src, 60.0)

@@ -221,3 +221,17 @@ def test_a_receiver_that_never_shows_up_fails_the_transfer_by_its_deadline(pair)
     tx = pair.sender.wait("g", 5)
     assert not tx.ok and "deadline passed" in tx.error
     assert time.monotonic() - t0 < 1.2
+
+
+def test_each_layer_lands_before_the_next_is_offered(pair):
+    """Layer-wise push: a layer is shipped the moment it is offered, not when the request is complete."""
+    src, dst = start(pair, "lw", 3)
+    rx_layer = lambda layer: pair.rx.cache.tensor[layer, :, dst].view(torch.uint8)  # noqa: E731
+    tx_layer = lambda layer: pair.tx.cache.tensor[layer, :, src].view(torch.uint8)  # noqa: E731
+    for layer in range(SPEC.num_layers):
+        pair.sender.send_layer("lw", layer)
+        wait_for(lambda layer=layer: torch.equal(rx_layer(layer), tx_layer(layer)), 10)
+        if layer + 1 < SPEC.num_layers:
+            assert not rx_layer(layer + 1).any(), "a layer landed before it was offered"
+            assert pair.receiver.poll("lw") == TransferStatus.TRANSFERRING
+    assert pair.receiver.wait("lw", 10).ok and pair.sender.wait("lw", 10).ok

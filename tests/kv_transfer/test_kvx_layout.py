@@ -7,7 +7,7 @@ import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import KVTransferConfig, LayoutMismatch, TransferDescriptor
-from kv_transfer.layout import as_bytes, from_bytes, pack_layer, scatter_layer
+from kv_transfer.layout import as_bytes, from_bytes, pack_layers, scatter_layers
 from kv_transfer.wire import Header, LinkError, MsgKind
 
 SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.bfloat16)
@@ -68,10 +68,10 @@ def test_pack_then_scatter_moves_blocks_bit_for_bit(dtype):
     src.tensor.view(torch.uint8).copy_(torch.randint(0, 256, src.tensor.view(torch.uint8).shape, dtype=torch.uint8))
     src_ids, dst_ids = [7, 0, 3], [11, 4, 5]
     desc = TransferDescriptor.for_spec("r", spec, tuple(dst_ids))
-    for layer in range(3):
-        wire = as_bytes(pack_layer(src.tensor, layer, torch.tensor(src_ids)))
-        assert wire.dtype == torch.uint8 and wire.numel() == desc.layer_nbytes
-        scatter_layer(dst.tensor, layer, torch.tensor(dst_ids), from_bytes(wire.clone(), desc))
+    for first, count in ((0, 1), (1, 2)):  # one layer, then two coalesced into one message
+        wire = as_bytes(pack_layers(src.tensor, first, count, torch.tensor(src_ids)))
+        assert wire.dtype == torch.uint8 and wire.numel() == count * desc.layer_nbytes
+        scatter_layers(dst.tensor, first, torch.tensor(dst_ids), from_bytes(wire.clone(), desc))
     assert torch.equal(src.tensor[:, :, src_ids].view(torch.uint8), dst.tensor[:, :, dst_ids].view(torch.uint8))
     untouched = [b for b in range(12) if b not in dst_ids]
     assert not dst.tensor[:, :, untouched].any()

@@ -3,7 +3,8 @@ the Ray object store. Each peer acts as a worker would (see kvx_harness).
 
 The data-path tests run on all three. The failure tests (killed or paused peers) run on the two transports
 (mp-torch, ray-ray): Ray actors over gloo fail exactly as spawned processes over gloo do, and each extra
-process costs seconds on a 2-core box. Their victims start with the cluster, booting while other tests run.
+process costs seconds on a 2-core box; for the same reason the two Ray harnesses share one set of actors
+(a peer hosts endpoints of any transport). Victims start with the others, booting while tests run.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,20 +27,19 @@ NUM_BLOCKS = 64
 
 
 FAILURE_HARNESSES = ("mp-torch", "ray-ray")
-VICTIMS = ("doomed-sender", "doomed-receiver")
+PEERS = ("a", "b", "c", "doomed-sender", "doomed-receiver")
 
 
 @dataclass
 class Cluster:
+    """One harness: its peers, and the transport config of the endpoints its tests open."""
+
     name: str
     config: KVTransferConfig
-    factory: type
-    peers: dict = field(default_factory=dict)
+    peers: dict
 
-    def spawn(self, name: str):
-        peer = self.factory(f"{self.name}-{name}", self.config)
-        self.peers[name] = peer
-        return peer
+    def key(self, key: str) -> str:
+        return f"{self.name}-{key}"  # Ray harnesses share their actors: endpoint keys must not collide
 
     def victim(self, name: str):
         if self.name not in FAILURE_HARNESSES:
@@ -47,24 +47,40 @@ class Cluster:
         return self.peers[name]
 
 
-@pytest.fixture(scope="module", params=HARNESSES)
-def cluster(request, rendezvous):
-    kind, transport = request.param.split("-")
-    if kind == "ray":
-        request.getfixturevalue("ray_cluster")
-    c = Cluster(request.param, make_config(transport, rendezvous.port), ProcessPeer if kind == "mp" else RayPeer)
-    for name in ("a", "b", "c") + (VICTIMS if request.param in FAILURE_HARNESSES else ()):
-        c.spawn(name)
-    yield c
-    for peer in c.peers.values():
+def _start(factory: type, prefix: str) -> dict:
+    return {name: factory(f"{prefix}-{name}") for name in PEERS}  # all boot at once
+
+
+def _stop(peers: dict) -> None:
+    for peer in peers.values():
         with contextlib.suppress(Exception):  # a victim is already dead
             peer.shutdown()
 
 
-def connect(sender, receiver, key: str, spec: Spec, rx_spec: Spec | None = None):
+@pytest.fixture(scope="module")
+def ray_peers(ray_cluster):
+    """Ray actors shared by the ray-torch and ray-ray harnesses (each actor costs seconds to start)."""
+    peers = _start(RayPeer, "ray")
+    yield peers
+    _stop(peers)
+
+
+@pytest.fixture(scope="module", params=HARNESSES)
+def cluster(request, rendezvous):
+    kind, transport = request.param.split("-")
+    config = make_config(transport, rendezvous.port)
+    if kind == "ray":
+        yield Cluster(request.param, config, request.getfixturevalue("ray_peers"))
+        return
+    peers = _start(ProcessPeer, "mp")
+    yield Cluster(request.param, config, peers)
+    _stop(peers)
+
+
+def connect(cluster: Cluster, sender, receiver, key: str, spec: Spec, rx_spec: Spec | None = None):
     """Open a receiver endpoint on `receiver` and a sender endpoint on `sender`: (dst address, src id)."""
-    dst = receiver.call("open_receiver", key, rx_spec or spec, NUM_BLOCKS)
-    return dst, sender.call("open_sender", key, spec, NUM_BLOCKS)
+    dst = receiver.call("open_receiver", key, rx_spec or spec, NUM_BLOCKS, cluster.config)
+    return dst, sender.call("open_sender", key, spec, NUM_BLOCKS, cluster.config)
 
 
 def assert_landed(sender, receiver, key: str, rid: str, ids: list[int], skip: int) -> None:
@@ -87,8 +103,8 @@ SPECS = {
 
 @pytest.mark.parametrize("spec_name", SPECS)
 def test_blocks_arrive_bit_for_bit_in_scattered_blocks(cluster, spec_name):
-    a, c, spec, key = cluster.peers["a"], cluster.peers["c"], SPECS[spec_name], f"bits-{spec_name}"
-    dst, src = connect(a, c, key, spec)
+    a, c, spec, key = cluster.peers["a"], cluster.peers["c"], SPECS[spec_name], cluster.key(f"bits-{spec_name}")
+    dst, src = connect(cluster, a, c, key, spec)
     free = c.call("num_free", key), a.call("num_free", key)
     jobs = {"whole": (6, 0), "prefix-hit": (9, 4)}  # (blocks, of which the receiver already holds the first k)
     reserved = {}
@@ -104,33 +120,35 @@ def test_blocks_arrive_bit_for_bit_in_scattered_blocks(cluster, spec_name):
 
 def test_two_senders_into_one_receiver_interleave(cluster):
     a, b, c, spec = cluster.peers["a"], cluster.peers["b"], cluster.peers["c"], SPECS["bf16-L5-bs4"]
-    dst, src_a = connect(a, c, "2to1", spec)
-    src_b = b.call("open_sender", "2to1", spec, NUM_BLOCKS)
+    key = cluster.key("2to1")
+    dst, src_a = connect(cluster, a, c, key, spec)
+    src_b = b.call("open_sender", key, spec, NUM_BLOCKS, cluster.config)
     jobs = {peer: [] for peer in (a, b)}
     for i in range(6):
         peer, src = (a, src_a) if i % 2 else (b, src_b)
         rid = f"m{i}"
-        ids = c.call("reserve", "2to1", rid, 2 + i, i % 3, src, 30.0)
+        ids = c.call("reserve", key, rid, 2 + i, i % 3, src, 30.0)
         jobs[peer].append(Job(rid, dst, ids, i % 3))
     for peer, js in jobs.items():  # both "models" run at once, each interleaving its own requests
-        peer.call("push", "2to1", js, 30.0, 0.01)
+        peer.call("push", key, js, 30.0, 0.01)
     for peer, js in jobs.items():
         for job in js:
-            assert_landed(peer, c, "2to1", job.request_id, job.dst_block_ids, job.skip)
+            assert_landed(peer, c, key, job.request_id, job.dst_block_ids, job.skip)
 
 
 def test_one_sender_into_two_receivers_interleave(cluster):
     a, b, c, spec = cluster.peers["a"], cluster.peers["b"], cluster.peers["c"], SPECS["fp32-L3-bs16"]
-    dst_b = b.call("open_receiver", "1to2", spec, NUM_BLOCKS)
-    dst_c, src = connect(a, c, "1to2", spec)
+    key = cluster.key("1to2")
+    dst_b = b.call("open_receiver", key, spec, NUM_BLOCKS, cluster.config)
+    dst_c, src = connect(cluster, a, c, key, spec)
     jobs = []
     for i in range(6):
         rx, dst = (b, dst_b) if i % 2 else (c, dst_c)
-        ids = rx.call("reserve", "1to2", f"f{i}", 3 + i, 0, src, 30.0)
+        ids = rx.call("reserve", key, f"f{i}", 3 + i, 0, src, 30.0)
         jobs.append((rx, Job(f"f{i}", dst, ids)))
-    a.call("push", "1to2", [job for _, job in jobs], 30.0)
+    a.call("push", key, [job for _, job in jobs], 30.0)
     for rx, job in jobs:
-        assert_landed(a, rx, "1to2", job.request_id, job.dst_block_ids, 0)
+        assert_landed(a, rx, key, job.request_id, job.dst_block_ids, 0)
 
 
 @pytest.mark.parametrize("field, rx_spec", [
@@ -138,8 +156,8 @@ def test_one_sender_into_two_receivers_interleave(cluster):
     ("dtype", Spec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16")),
 ])
 def test_layout_mismatch_is_refused_naming_the_field_and_frees_blocks(cluster, field, rx_spec):
-    a, c, key = cluster.peers["a"], cluster.peers["c"], f"mismatch-{field}"
-    dst, src = connect(a, c, key, SPECS["fp32-L3-bs16"], rx_spec)
+    a, c, key = cluster.peers["a"], cluster.peers["c"], cluster.key(f"mismatch-{field}")
+    dst, src = connect(cluster, a, c, key, SPECS["fp32-L3-bs16"], rx_spec)
     free = c.call("num_free", key), a.call("num_free", key)
     ids = c.call("reserve", key, "bad", 4, 0, src, 30.0)
     a.call("push", key, [Job("bad", dst, ids)], 30.0)
@@ -151,8 +169,8 @@ def test_layout_mismatch_is_refused_naming_the_field_and_frees_blocks(cluster, f
 
 def test_stalled_sender_fails_both_sides_within_the_deadline_then_the_pair_recovers(cluster):
     cluster.victim("doomed-sender")  # (only to pick the harnesses)
-    a, c, spec, key = cluster.peers["a"], cluster.peers["c"], SPECS["bf16-L5-bs4"], "stall-tx"
-    dst, src = connect(a, c, key, spec)
+    a, c, spec, key = cluster.peers["a"], cluster.peers["c"], SPECS["bf16-L5-bs4"], cluster.key("stall-tx")
+    dst, src = connect(cluster, a, c, key, spec)
     free = c.call("num_free", key), a.call("num_free", key)
     ids = c.call("reserve", key, "stuck", 4, 0, src, 1.5)
     a.call("push", key, [Job("stuck", dst, ids)], 1.5, 0.0, 2)  # the "model" stops after 2 of 5 layers
@@ -175,8 +193,8 @@ def wait_status(peer, key: str, rid: str, want: str, timeout_s: float = 30.0) ->
 
 def test_killed_sender_fails_the_receiver_within_the_deadline_and_frees_blocks(cluster):
     victim = cluster.victim("doomed-sender")
-    c, spec, key = cluster.peers["c"], SPECS["bf16-L5-bs4"], "kill-tx"
-    dst, src = connect(victim, c, key, spec)
+    c, spec, key = cluster.peers["c"], SPECS["bf16-L5-bs4"], cluster.key("kill-tx")
+    dst, src = connect(cluster, victim, c, key, spec)
     free = c.call("num_free", key)
     ids = c.call("reserve", key, "orphan", 4, 0, src, 2.0)
     victim.call("push", key, [Job("orphan", dst, ids)], 2.0, 0.3)  # a slow model: 0.3 s per layer
@@ -190,8 +208,8 @@ def test_killed_sender_fails_the_receiver_within_the_deadline_and_frees_blocks(c
 
 def test_paused_then_killed_receiver_fails_the_sender_within_the_deadline(cluster):
     victim = cluster.victim("doomed-receiver")
-    a, spec, key = cluster.peers["a"], SPECS["fp32-L3-bs16"], "kill-rx"
-    dst, src = connect(a, victim, key, spec)
+    a, spec, key = cluster.peers["a"], SPECS["fp32-L3-bs16"], cluster.key("kill-rx")
+    dst, src = connect(cluster, a, victim, key, spec)
     free = victim.call("num_free", key), a.call("num_free", key)
     ids = victim.call("reserve", key, "warm", 2, 0, src, 30.0)  # a working link first
     a.call("push", key, [Job("warm", dst, ids)], 30.0)

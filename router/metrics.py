@@ -1,0 +1,218 @@
+"""Prometheus metrics of the router process: TTFT under the prefill pool, ITL under the decode pool.
+
+`Metrics` is the process's one metrics owner (a `RequestObserver`): it keeps its own `CollectorRegistry`
+(never prometheus_client's global one, so several servers can live in one test process) and
+`MetricsEndpoint` serves it at `/metrics`. Labels are bounded: `model`, `pool`, `worker`, `node`, `stage`,
+`finish_reason`, `src`/`dst` (worker ids); never a request id.
+
+What is observed, and when (every hook runs on the router's event loop, so nothing here locks):
+- TTFT, once per request, when its first token is handed to the client: event time - arrival, labelled
+  with the pool that computed it (`prefill`, or `colocated`) and that pool's worker.
+- ITL, per gap between consecutive tokens the client is sent, labelled with the decoding pool (`decode`,
+  or `colocated`) and worker. A stream of k tokens gives k - 1 observations: an event carrying several
+  tokens observes the gap since the previous event for its first token and 0 for the rest (they reached
+  the client together). Events without tokens (a bare finish) observe nothing.
+- TTFT stages, request totals, token counters, e2e latency and the prefix-cache hit ratio when the stream
+  ends (`on_end`). Stages come from `RequestState.timing` for requests that got a first token:
+  `queue`, `prefill`, `kv_transfer` on the disaggregated path (`decode_admit` too once a decode token
+  reached the client); only `queue` on the colocated path, whose engine queues and prefills in one.
+- Per-worker load gauges from every load report; KV-transfer latency, bytes and failures per
+  (prefill, decode) pair from the router's transfer notices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import start_wsgi_server
+
+from router.observer import RequestObserver
+from router.placement import PoolKind
+
+if TYPE_CHECKING:
+    from engine.worker_types import LoadReport
+    from router.pool import Worker
+    from router.router import RequestState, RouterEvent
+    from router.validation import ValidatedRequest
+
+# NOTE: wide on purpose: a CPU deployment of a real model takes seconds to first token, a GPU one
+# milliseconds, and a queue under overload minutes.
+TTFT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0)
+KV_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                       1.0, 2.5, 5.0, 10.0, 30.0)
+
+STAGES = ("queue", "prefill", "kv_transfer", "decode_admit")
+OUTCOMES = ("stop", "length", "cancelled", "error")  # what `on_end` is told; the finish_reason label
+
+
+@dataclass
+class _Stream:
+    """What the metrics remember of one request between its events (dropped at `on_end`)."""
+
+    last_token_at: float
+    num_tokens: int
+
+
+class Metrics(RequestObserver):
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.model = model
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Arrival at the router to the first token sent to the "
+            "client, by the pool and worker that prefilled it.", ["model", "pool", "worker"],
+            buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds", "Gap between consecutive tokens sent to the client, by the "
+            "pool and worker that decoded them.", ["model", "pool", "worker"], buckets=ITL_BUCKETS, registry=r)
+        self.ttft_stage = Histogram(
+            "pdserve_ttft_stage_seconds", "Time to first token split into stages: queue, prefill, kv_transfer; "
+            "decode_admit is first token out -> first decode token out.", ["model", "pool", "stage"],
+            buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds", "Arrival to the last token of requests that finished "
+            "(stop or length).", ["model"], buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter(
+            "pdserve_requests_total", "Streams that ended, by how: stop, length, cancelled (by the client), "
+            "error.", ["model", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens_total", "Prompt tokens of requests whose prefill finished, by prefill "
+            "worker.", ["model", "pool", "worker"], registry=r)
+        self.cached_prompt_tokens = Counter(
+            "pdserve_cached_prompt_tokens_total", "Prompt tokens served from the prefill worker's prefix "
+            "cache.", ["model", "pool", "worker"], registry=r)
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens_total", "Tokens sent to clients, by the worker that decoded them.",
+            ["model", "pool", "worker"], registry=r)
+        self.prefix_hit_ratio = Gauge(
+            "pdserve_prefix_cache_hit_ratio", "Cached prompt tokens / prompt tokens, cumulative per prefill "
+            "worker.", ["model", "pool", "worker"], registry=r)
+        load_labels = ["model", "pool", "worker", "node"]
+        self.running = Gauge("pdserve_num_requests_running", "Sequences in the worker's running batch.",
+                             load_labels, registry=r)
+        self.waiting = Gauge("pdserve_num_requests_waiting", "Sequences queued on the worker.",
+                             load_labels, registry=r)
+        self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "1 - free KV blocks / total KV blocks "
+                              "(evictable prefix-cache blocks count as free).", load_labels, registry=r)
+        self.kv_seconds = Histogram(
+            "pdserve_kv_transfer_seconds", "A prompt's KV transfer, opened -> last layer acknowledged "
+            "(overlaps the prefill compute).", ["model", "src", "dst"], buckets=KV_TRANSFER_BUCKETS, registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes sent from prefill to decode "
+                                "workers.", ["model", "src", "dst"], registry=r)
+        self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "Prefills whose KV transfer (or "
+                                   "the prefill itself) failed.", ["model", "src", "dst"], registry=r)
+
+        for outcome in OUTCOMES:  # zero series exist from the start, so rate() and dashboards see them
+            self.requests.labels(model, outcome)
+        self._streams: dict[str, _Stream] = {}
+        self._prompt: dict[str, tuple[int, int]] = {}  # prefill worker -> (prompt tokens, cached tokens)
+        self._workers: dict[str, set[str]] = {PoolKind.PREFILL.value: set(), PoolKind.DECODE.value: set()}
+
+    # -- RequestObserver --------------------------------------------------------------------------------
+
+    def on_event(self, req: ValidatedRequest, state: RequestState, event: RouterEvent) -> None:
+        n = len(event.token_ids)
+        if n == 0:
+            return
+        stream = self._streams.get(req.request_id)
+        if stream is None:  # the first event with tokens (`event.first` on every path the router has)
+            self.ttft.labels(self.model, state.pool, state.prefill_worker).observe(event.time - state.arrival)
+            self._streams[req.request_id] = _Stream(event.time, n)
+            gaps = [0.0] * (n - 1)
+        else:
+            gaps = [event.time - stream.last_token_at] + [0.0] * (n - 1)
+            stream.last_token_at = event.time
+            stream.num_tokens += n
+        if gaps:
+            itl = self.itl.labels(self.model, _decode_pool(state.pool), state.decode_worker)
+            for gap in gaps:
+                itl.observe(max(gap, 0.0))
+
+    def on_end(self, req: ValidatedRequest, state: RequestState | None, outcome: str,
+               completion_tokens: int) -> None:
+        """`state` may be None for a request that ended before the router yielded anything for it."""
+        assert outcome in OUTCOMES, f"unknown outcome {outcome!r}"
+        self.requests.labels(self.model, outcome).inc()
+        stream = self._streams.pop(req.request_id, None)
+        if stream is None or state is None:  # ended before its first token: nothing reached the client
+            return
+        m, pool, prefill = self.model, state.pool, state.prefill_worker
+        self.generation_tokens.labels(m, _decode_pool(pool), state.decode_worker).inc(stream.num_tokens)
+        if outcome in ("stop", "length"):
+            self.e2e.labels(m).observe(stream.last_token_at - state.arrival)
+
+        t = state.timing
+        stages = {"queue": t.queue}
+        if pool == PoolKind.PREFILL.value:
+            stages.update(prefill=t.prefill, kv_transfer=t.kv_transfer)
+            if stream.num_tokens >= 2:  # a decode token reached the client: decode_admit was measured
+                stages["decode_admit"] = t.decode_admit
+        for stage, seconds in stages.items():
+            self.ttft_stage.labels(m, pool, stage).observe(max(seconds, 0.0))
+
+        self.prompt_tokens.labels(m, pool, prefill).inc(req.num_prompt_tokens)
+        self.cached_prompt_tokens.labels(m, pool, prefill).inc(state.num_cached_tokens)
+        prompt, cached = self._prompt.get(prefill, (0, 0))
+        prompt, cached = prompt + req.num_prompt_tokens, cached + state.num_cached_tokens
+        self._prompt[prefill] = (prompt, cached)
+        self.prefix_hit_ratio.labels(m, pool, prefill).set(cached / prompt)
+
+    def on_report(self, worker: Worker, report: LoadReport) -> None:
+        load = report.load
+        labels = (self.model, worker.kind.value, worker.worker_id, worker.info.node_id)
+        self.running.labels(*labels).set(load.num_running)
+        self.waiting.labels(*labels).set(load.num_waiting)
+        self.kv_usage.labels(*labels).set(1.0 - load.free_blocks / load.total_blocks if load.total_blocks else 0.0)
+        known = self._workers.get(worker.kind.value)
+        if known is not None and worker.worker_id not in known:
+            known.add(worker.worker_id)
+            # every (prefill, decode) pair gets its zero failure and byte counters as soon as both are known
+            for src in self._workers[PoolKind.PREFILL.value]:
+                for dst in self._workers[PoolKind.DECODE.value]:
+                    self.kv_failures.labels(self.model, src, dst)
+                    self.kv_bytes.labels(self.model, src, dst)
+
+    def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
+        if not ok:
+            self.kv_failures.labels(self.model, src, dst).inc()
+            return
+        self.kv_seconds.labels(self.model, src, dst).observe(seconds)
+        self.kv_bytes.labels(self.model, src, dst).inc(num_bytes)
+
+    def on_worker_lost(self, worker: Worker) -> None:
+        """Drop a lost worker's load gauges, so dashboards stop showing its last load as current.
+
+        NOTE: counters and histograms keep its series: they are history, and rate() ends them by itself.
+        """
+        labels = (self.model, worker.kind.value, worker.worker_id, worker.info.node_id)
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+        self._workers.get(worker.kind.value, set()).discard(worker.worker_id)
+
+
+def _decode_pool(ttft_pool: str) -> str:
+    """The pool that decodes a request whose first token came from `ttft_pool`."""
+    return PoolKind.DECODE.value if ttft_pool == PoolKind.PREFILL.value else ttft_pool
+
+
+class MetricsEndpoint:
+    """A registry served over HTTP at `/metrics` from a daemon thread (prometheus_client's WSGI server)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        """Bind `host:port` (port 0: any free port, see `.port`); raises OSError when it cannot."""
+        self._httpd, self._thread = start_wsgi_server(port, host.strip("[]"), registry)
+        self.port: int = self._httpd.server_port
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)

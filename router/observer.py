@@ -1,0 +1,34 @@
+"""What the router reports as requests move through it: the seam metrics hang off.
+
+The base class does nothing; `router.metrics.Metrics` implements it. Every hook runs on the router's event
+loop and must not block.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.worker_types import LoadReport
+    from router.pool import Worker
+    from router.router import RequestState, RouterEvent
+    from router.validation import ValidatedRequest
+
+
+class RequestObserver:
+    def on_event(self, req: ValidatedRequest, state: RequestState, event: RouterEvent) -> None:
+        """Tokens reached the client: `event.first` marks the first (TTFT), later ones give ITL gaps."""
+
+    def on_end(self, req: ValidatedRequest, state: RequestState | None, outcome: str,
+               completion_tokens: int) -> None:
+        """The stream ended: outcome is "stop", "length", "cancelled" or "error". `state` is None when the
+        request failed before the router took it (admission, duplicate id)."""
+
+    def on_report(self, worker: Worker, report: LoadReport) -> None:
+        """A worker's fresh load (running, waiting, KV blocks) reached the router."""
+
+    def on_worker_lost(self, worker: Worker) -> None:
+        """A worker is gone (its node left, it crashed): its load is no longer current."""
+
+    def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
+        """A prompt's KV transfer ended: `seconds` from opening it to the last layer acknowledged."""
