@@ -71,19 +71,26 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[])
 
 
+def serve_config(args: argparse.Namespace):
+    """`pdserve serve`'s arguments as a ServeConfig (ValueError names a bad flag)."""
+    from router.server import ServeConfig
+
+    return ServeConfig(
+        model=args.model, host=args.host, port=args.port, prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers, colocated_workers=args.colocated_workers,
+        ray_address=args.ray_address, prefill_resources=args.prefill_resources,
+        decode_resources=args.decode_resources, kv_transport=args.kv_transport, routing=args.routing,
+        worker_threads=args.worker_threads, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue=args.max_queue, metrics_port=args.metrics_port, device=args.device, dtype=args.dtype)
+
+
 def serve(args: argparse.Namespace) -> int:
-    from router.server import ServeConfig, ServeError, serve_forever
+    from router.server import ServeError, serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = ServeConfig(
-            model=args.model, host=args.host, port=args.port, prefill_workers=args.prefill_workers,
-            decode_workers=args.decode_workers, colocated_workers=args.colocated_workers,
-            ray_address=args.ray_address, prefill_resources=args.prefill_resources,
-            decode_resources=args.decode_resources, kv_transport=args.kv_transport, routing=args.routing,
-            worker_threads=args.worker_threads, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_queue=args.max_queue, metrics_port=args.metrics_port, device=args.device, dtype=args.dtype)
+        config = serve_config(args)
     except ValueError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
@@ -131,12 +138,16 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return {"serve": serve, "generate": generate}[args.command](args)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -186,7 +187,9 @@ class Server:
 
             workers = list(self.pools.workers.values())
             # let each worker close its KV links cleanly before the processes go
-            await asyncio.wait([asyncio.ensure_future(w.actor.shutdown.remote()) for w in workers], timeout=10)
+            with contextlib.suppress(asyncio.TimeoutError):  # dead workers answer with errors, kept quiet
+                await asyncio.wait_for(asyncio.gather(*(w.actor.shutdown.remote() for w in workers if w.alive),
+                                                      return_exceptions=True), timeout=10)
             for w in workers:
                 ray.kill(w.actor)
         if self.rendezvous is not None:  # after the workers: they hold clients of it
