@@ -23,16 +23,20 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_hash import hash_blocks
 from engine.config import cdiv
 from engine.engine_loop import StepOutput, TokenDelta
 from engine.worker_types import LoadReport
 from router.observer import RequestObserver
-from router.placement import PoolKind, RoundRobinPrefill, choose_decode, choose_prefill
+from router.placement import PoolKind, PrefillChoice, RoundRobinPrefill, choose_decode, choose_prefill
 from router.pool import Worker
 from router.prefix_index import PrefixIndex
 from router.validation import ValidatedRequest
+
+if TYPE_CHECKING:
+    from decode_worker import Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +219,7 @@ class Router:
 
     # -- placement and admission ------------------------------------------------------------------------
 
-    def _choose_prefill(self, ids: list[int]):
+    def _choose_prefill(self, ids: list[int]) -> PrefillChoice:
         loads = [w.snapshot() for w in self.workers.values() if w.kind.prefills]
         choice = self.choose_prefill(hash_blocks(ids, self.block_size), loads, self.index, self.block_size,
                                      len(ids))
@@ -223,7 +227,7 @@ class Router:
             raise RouterError("UNAVAILABLE", "no live prefill worker; check the prefill pool")
         return choice
 
-    async def _reserve(self, req: ValidatedRequest, prefill: Worker):
+    async def _reserve(self, req: ValidatedRequest, prefill: Worker) -> tuple[Worker, Reservation]:
         """A decode worker with room for the prompt's blocks, waiting in the admission queue if none has."""
         need = cdiv(req.num_prompt_tokens, self.block_size)
         decoders = [w for w in self.workers.values() if w.kind is PoolKind.DECODE and w.alive]

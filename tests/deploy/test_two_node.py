@@ -36,6 +36,15 @@ def test_pools_land_on_the_nodes_their_resources_name(observed):
     assert observed["head_node"] != observed["decode_node"]
 
 
+def test_decode_follows_the_prefill_worker_onto_its_node(observed):
+    nodes = observed["locality_nodes"]
+    decoders = {w: n for w, n in nodes.items() if w.startswith("decode")}
+    assert sorted(decoders.values()) == sorted({observed["head_node"], observed["decode_node"]})
+    assert nodes["prefill-0"] == observed["head_node"]
+    local = next(w for w, n in decoders.items() if n == observed["head_node"])
+    assert observed["locality_served_by"] == [local] * 4
+
+
 def test_greedy_output_across_nodes_equals_the_engine(observed):
     assert observed["equal"] == [True, True]
     assert observed["served_by"] == [["prefill-0", "decode-0"]] * 2

@@ -29,7 +29,9 @@ PROMPTS = ["two nodes", "KV crosses the network"]
 
 
 def node_args(resource: str) -> dict:
-    return {"num_cpus": 2, "resources": {resource: 2}, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+    # every node also offers one `decode_slot`, so a pool asking for it puts one worker on each node
+    return {"num_cpus": 3, "resources": {resource: 2, "decode_slot": 1}, "node_ip_address": "127.0.0.1",
+            "include_dashboard": False}
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -56,6 +58,19 @@ def main() -> None:
     out["node_ips"] = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
     reference = [o.token_ids for o in LLM("tiny-random", num_blocks=64).generate(
         PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+
+    # locality: one decode worker per node; decode should follow the prefill worker onto the head node
+    server = RunningServer(ServeConfig(
+        model="tiny-random", ray_address=cluster.address, port=0, metrics_port=0, worker_threads=1,
+        num_blocks=64, decode_workers=2, prefill_resources={"CPU": 1, "prefill_node": 1},
+        decode_resources={"CPU": 1, "decode_slot": 1}))
+    try:
+        out["locality_nodes"] = pools(server)
+        out["locality_served_by"] = [server.generate(greedy_request(p, 4))[-1].decode_worker_id
+                                     for p in PROMPTS * 2]
+    finally:
+        server.close()
+
     server = RunningServer(ServeConfig(
         model="tiny-random", ray_address=cluster.address, port=0, metrics_port=0, worker_threads=1,
         num_blocks=64, prefill_resources={"CPU": 1, "prefill_node": 1},

@@ -1,0 +1,108 @@
+"""Server layouts started by the bench itself (`--launch`), one after another, in this process.
+
+A layout is a short spec: `1p1d` (1 prefill + 1 decode worker), `2p1d:round-robin` (with the router's
+round-robin policy instead of the default prefix-aware one), `2c` (2 colocated workers, each prefilling and
+decoding its own requests).
+
+NOTE: why in-process and not `pdserve serve` subprocesses. One Ray cluster (started once, pinned to
+loopback by `init_ray`) serves every layout, so the runs differ only in the layout, and `ray.init`'s few
+seconds are paid once. The workers are Ray actor processes either way; only the router shares this
+process (and its GIL) with the load generator, the same way for every layout. On a 2-core machine that is
+also the cheaper choice: a router subprocess would be one more process competing with the workers. Each
+layout's `Server` runs on its own event-loop thread and is stopped (its actors killed) before the next
+one starts, so no layout's workers take CPU from another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+_SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin))?$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocated_workers: int = 0
+    routing: str = "prefix"  # the router's prefill placement policy
+
+    @classmethod
+    def parse(cls, spec: str) -> Layout:
+        m = _SPEC.match(spec.strip().lower())
+        if m is None:
+            raise ValueError(f"layout {spec!r}: expected NpMd (N prefill + M decode workers) or Nc (N colocated "
+                             "workers), optionally followed by :prefix or :round-robin, e.g. 2p1d:round-robin")
+        routing = m["routing"] or "prefix"
+        if m["c"] is not None:
+            return cls(0, 0, int(m["c"]), routing)
+        return cls(int(m["p"]), int(m["d"]), 0, routing)
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill_workers + self.decode_workers + self.colocated_workers
+
+    @property
+    def label(self) -> str:
+        shape = (f"{self.colocated_workers}c" if self.colocated_workers
+                 else f"{self.prefill_workers}p{self.decode_workers}d")
+        return shape if self.routing == "prefix" else f"{shape}:{self.routing}"
+
+    @property
+    def description(self) -> str:
+        if self.colocated_workers:
+            what = f"{self.colocated_workers} colocated workers"
+        else:
+            what = f"{self.prefill_workers} prefill + {self.decode_workers} decode workers"
+        return f"{what}, {self.routing} routing"
+
+    def serve_config(self, **options: Any):
+        """The `ServeConfig` of this layout; `options` are its other fields (model, worker_threads, ...)."""
+        from router.server import ServeConfig
+
+        return ServeConfig(prefill_workers=self.prefill_workers, decode_workers=self.decode_workers,
+                           colocated_workers=self.colocated_workers, routing=self.routing, **options)
+
+
+class LocalDeployment:
+    """A `router.server.Server` on its own event-loop thread; a context manager that stops it on exit."""
+
+    def __init__(self, config: Any) -> None:
+        from router.server import Server
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-server", daemon=True)
+        self.server = Server(config)
+        self.address = ""
+
+    def __enter__(self) -> LocalDeployment:
+        self.thread.start()
+        try:
+            self._run(self.server.start(), timeout=600)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.address = f"{self.server.config.host}:{self.server.port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.thread.is_alive():
+            try:
+                self._run(self.server.stop(), timeout=60)
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self.thread.join(10)
+
+    def _run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def start_ray(layouts: list[Layout]) -> None:
+    """One local Ray cluster on 127.0.0.1 with a CPU slot for every worker of the largest layout."""
+    from router.server import init_ray
+
+    init_ray(None, max(layout.num_workers for layout in layouts))

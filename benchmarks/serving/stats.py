@@ -1,0 +1,117 @@
+"""Latency percentiles, SLO attainment and throughput from the client's records of one run.
+
+Definitions, so the numbers can be argued with:
+
+- Percentiles interpolate linearly between the closest ranks (numpy's default, Hyndman & Fan type 7).
+- TTFT and end-to-end latency: one value per completed request. ITL: every gap between consecutive output
+  tokens of every completed request, pooled (so long answers weigh more, as they do for a reader).
+- A request meets the SLOs when it completed, its TTFT <= the TTFT SLO and its mean inter-token gap (its
+  time per output token after the first, "TPOT" in DistServe and vLLM) <= the ITL SLO. Attainment is that
+  count over the requests *sent*: a failed request misses.
+- Throughput divides by the run's wall time: the first send to the last answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+from benchmarks.serving.client import RequestRecord, RunResult
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`-th percentile (0-100) of `values`, interpolated linearly between closest ranks; NaN if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+class Percentiles(NamedTuple):
+    """p50/p90/p99 of one latency, in seconds (NaN when there were no values)."""
+
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Percentiles:
+        return cls(*(percentile(values, q) for q in (50, 90, 99)))
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float  # a request's time to first token
+    itl_s: float  # a request's mean inter-token gap (TPOT)
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.itl_s > 0):
+            raise ValueError(f"SLOs must be > 0 s, got ttft_s={self.ttft_s}, itl_s={self.itl_s}")
+
+    def met_by(self, r: RequestRecord) -> bool:
+        if not r.ok or r.ttft is None or r.ttft > self.ttft_s:
+            return False
+        return r.mean_itl is None or r.mean_itl <= self.itl_s  # a 1-token answer has no gaps to miss
+
+
+def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
+    """The share of requests that met both SLOs (0.0 for no requests)."""
+    return sum(slo.met_by(r) for r in records) / len(records) if records else 0.0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One run's numbers (seconds, tokens, per second)."""
+
+    num_sent: int
+    num_completed: int
+    num_failed: int  # sent and not completed: an error, or cancelled at the drain timeout
+    num_output_tokens: int  # received, completed or not
+    num_prompt_tokens: int  # of completed requests
+    num_cached_prompt_tokens: int  # of those, served from a prefix cache (usage.cached_prompt_tokens)
+    duration_s: float
+    ttft: Percentiles
+    itl: Percentiles
+    e2e: Percentiles
+    output_tokens_per_s: float
+    requests_per_s: float  # completed requests per second
+    slo_attainment: float
+
+    @property
+    def cached_share(self) -> float:
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("ttft", "itl", "e2e"):
+            d[name] = getattr(self, name)._asdict()
+        d["cached_share"] = self.cached_share
+        return d
+
+
+def summarize(run: RunResult, slo: SLO) -> Summary:
+    done = [r for r in run.records if r.ok]
+    n_out = sum(r.num_output_tokens for r in run.records)
+    return Summary(
+        num_sent=len(run.records), num_completed=len(done), num_failed=len(run.records) - len(done),
+        num_output_tokens=n_out, num_prompt_tokens=sum(r.num_prompt_tokens for r in done),
+        num_cached_prompt_tokens=sum(r.cached_prompt_tokens for r in done), duration_s=run.duration_s,
+        ttft=Percentiles.of(ttfts(done)), itl=Percentiles.of(itls(done)),
+        e2e=Percentiles.of([r.e2e for r in done]),
+        output_tokens_per_s=n_out / run.duration_s, requests_per_s=len(done) / run.duration_s,
+        slo_attainment=attainment(run.records, slo))
+
+
+def ttfts(records: Sequence[RequestRecord]) -> list[float]:
+    return [r.ttft for r in records if r.ok and r.ttft is not None]
+
+
+def itls(records: Sequence[RequestRecord]) -> list[float]:
+    return [g for r in records if r.ok for g in r.itls]
