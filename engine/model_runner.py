@@ -96,7 +96,8 @@ class ModelRunner:
                   for _, c in rows]
         dev = self.device
         lens = torch.tensor(ctx, device=dev)
-        mask = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]  # [B, L]
+        padding = torch.arange(width * bs, device=dev)[None, :] >= lens[:, None]  # [B, L]
+        mask = torch.zeros(padding.shape, dtype=self.kv_cache.spec.dtype, device=dev)
         return DecodeGroup(rows=torch.tensor([q for q, _ in rows], dtype=torch.long, device=dev),
-                           block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-                           mask=mask[:, None, None, :])
+                           block_ids=torch.tensor(tables, dtype=torch.long, device=dev).flatten(),
+                           mask=mask.masked_fill_(padding, float("-inf"))[:, None, None, :])

@@ -1,4 +1,5 @@
-"""The `pdserve` command: `serve` starts a deployment, `generate` streams a completion from one."""
+"""The `pdserve` command: `serve` starts a deployment, `generate` streams a completion from one, `bench`
+measures layouts side by side (`benchmarks.serving.cli`)."""
 
 from __future__ import annotations
 
@@ -143,10 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate(sub)
+    sub.add_parser("bench", add_help=False,
+                   help="run workloads against server layouts side by side (pdserve bench --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser, in benchmarks/serving/cli.py
+        from benchmarks.serving.cli import main as bench
+
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     return {"serve": serve, "generate": generate}[args.command](args)
 

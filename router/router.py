@@ -120,6 +120,12 @@ class Router:
             if worker.worker_id in (state.decode_worker, state.prefill_worker):
                 state.queue.put_nowait((None, time.time()))
 
+    async def close(self) -> None:
+        """Stop listening to the workers (the deployment is shutting down)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def apply_report(self, worker: Worker, report: LoadReport) -> None:
         worker.apply(report)
         self.observer.on_report(worker, report)

@@ -185,6 +185,8 @@ class Server:
         if self.router is not None:
             import ray
 
+            await self.router.close()
+
             workers = list(self.pools.workers.values())
             # let each worker close its KV links cleanly before the processes go
             with contextlib.suppress(asyncio.TimeoutError):  # dead workers answer with errors, kept quiet

@@ -30,7 +30,7 @@ class RequestRecord:
     num_prompt_tokens: int
     max_tokens: int
     sent_at: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # one per output token (k per k-token message)
+    token_times: list[float] = field(default_factory=list)  # each output token's message arrival
     itls: list[float] = field(default_factory=list)  # gaps between consecutive tokens
     done_at: float | None = None  # the last message; None unless the stream ended normally
     finish_reason: str = ""
@@ -61,16 +61,14 @@ class RequestRecord:
         return sum(self.itls) / len(self.itls) if self.itls else None
 
     def on_message(self, now: float, n: int) -> None:
+        """A message with `n` tokens arrived at `now`."""
         if n == 0:
             return
         if self.token_times:
-            gap = (now - self.token_times[-1]) / n
-            self.itls.extend([gap] * n)
-            self.token_times.extend(self.token_times[-1] + gap * (i + 1) for i in range(n))
-        else:  # the first token; any others in the same message arrived with it
-            self.token_times.append(now)
+            self.itls.extend([(now - self.token_times[-1]) / n] * n)
+        else:  # the first token; any others in the same message came with it
             self.itls.extend([0.0] * (n - 1))
-            self.token_times.extend([now] * (n - 1))
+        self.token_times.extend([now] * n)
 
 
 @dataclass

@@ -55,7 +55,7 @@ class Layout:
     @property
     def description(self) -> str:
         if self.colocated_workers:
-            what = f"{self.colocated_workers} colocated workers"
+            what = f"{self.colocated_workers} colocated worker{'s' if self.colocated_workers > 1 else ''}"
         else:
             what = f"{self.prefill_workers} prefill + {self.decode_workers} decode workers"
         return f"{what}, {self.routing} routing"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -139,8 +139,10 @@ class Burst(Workload):
     """
 
     name: str = "burst"
-    streams: Shaped = field(default_factory=chat)  # the steady traffic between long prompts
-    long_every: int = 6
+    # the steady traffic between long prompts: chat, with answers a little shorter so that a run of a
+    # minute holds enough long prompts for their stalls to reach the ITL p99
+    streams: Shaped = Shaped("chat", prompt_len=(64, 192), output_len=(32, 96))
+    long_every: int = 4
     long_prompt_len: LengthRange = (1024, 1024)
     long_output_len: LengthRange = (16, 16)
 

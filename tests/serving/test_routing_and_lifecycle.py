@@ -55,6 +55,17 @@ def test_cancel_mid_stream_frees_every_block(server):
         assert r.load.num_running == 0
 
 
+def test_client_deadline_mid_stream_frees_every_block(server):
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in server.stub.Generate(greedy_request(LONG_PREFIX, 400, ignore_eos=True), timeout=0.5):
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    reports = server.wait_idle()
+    for wid, r in reports.items():
+        assert r.load.free_blocks == r.load.total_blocks, (wid, r.load)
+        assert r.load.num_running == 0
+
+
 def test_200_concurrent_requests_all_finish_and_free_their_blocks(server):
     n = 200
     results: list[object] = [None] * n
