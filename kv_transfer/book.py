@@ -117,3 +117,28 @@ class TransferBook(Generic[S]):
                     assert state.status.is_finished, "on_expire must finish the transfer"
                 next_deadline = min((s.deadline for s in self._active.values()), default=None)
                 self.lock.wait(None if next_deadline is None else max(0.0, next_deadline - time.monotonic()))
+
+
+class BookKeeper:
+    """The half of a sender or receiver that only consults its book: `poll`, `wait`, `pop_finished` and
+    the locking part of `abort`. Both cores inherit it; each supplies `_fail_locked`."""
+
+    _book: TransferBook
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self._book.poll(request_id)
+
+    def wait(self, request_id: str, timeout: float) -> TransferResult:
+        return self._book.wait(request_id, timeout)
+
+    def pop_finished(self) -> list[TransferResult]:
+        return self._book.pop_finished()
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        with self._book.lock:
+            state = self._book.get_locked(request_id)
+            if state is not None:
+                self._fail_locked(state, f"transfer {request_id!r}: {reason}", tell_peer=True)
+
+    def _fail_locked(self, state: TransferState, reason: str, tell_peer: bool) -> None:
+        raise NotImplementedError

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache import KVCache
-from kv_transfer.base import KVReceiver, TransferResult, TransferStatus
-from kv_transfer.book import TransferBook, TransferState
+from kv_transfer.base import KVReceiver, TransferStatus
+from kv_transfer.book import BookKeeper, TransferBook, TransferState
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.layout import LayoutMismatch, TransferDescriptor, from_bytes, scatter_layers
 from kv_transfer.wire import Header, LinkError, MsgKind, RecvLink
@@ -36,7 +36,7 @@ class _RecvState(TransferState):
     landed: set[int] = field(default_factory=set)
 
 
-class LayerwiseReceiver(KVReceiver):
+class LayerwiseReceiver(BookKeeper, KVReceiver):
     """Transport-independent `KVReceiver`; subclasses run the links and call `handle`."""
 
     def __init__(self, endpoint_id: str, cache: KVCache, config: KVTransferConfig) -> None:
@@ -72,20 +72,8 @@ class LayerwiseReceiver(KVReceiver):
             if not ids:  # everything was in the prefix cache
                 self._book.finish_locked(state, None)
 
-    def poll(self, request_id: str) -> TransferStatus:
-        return self._book.poll(request_id)
-
-    def wait(self, request_id: str, timeout: float) -> TransferResult:
-        return self._book.wait(request_id, timeout)
-
-    def pop_finished(self) -> list[TransferResult]:
-        return self._book.pop_finished()
-
     def abort(self, request_id: str, reason: str = "aborted by the receiver") -> None:
-        with self._lock:
-            state = self._book.get_locked(request_id)
-            if state is not None:
-                self._fail_locked(state, f"transfer {request_id!r}: {reason}", tell_peer=True)
+        self._abort(request_id, reason)
 
     def _close_transfers(self) -> bool:
         """Fail everything in flight; False if already closed. Subclasses' `close` starts with this."""

@@ -27,8 +27,8 @@ from typing import NamedTuple
 import torch
 
 from engine.kv_cache import KVCache
-from kv_transfer.base import KVSender, PeerAddress, TransferResult, TransferStatus
-from kv_transfer.book import TransferBook, TransferState
+from kv_transfer.base import KVSender, PeerAddress, TransferStatus
+from kv_transfer.book import BookKeeper, TransferBook, TransferState
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.layout import TransferDescriptor, pack_layers
 from kv_transfer.wire import Header, LinkError, MsgKind, SendLink, bytes_tensor
@@ -78,7 +78,7 @@ class _LinkWorker:
         self.thread: threading.Thread | None = None
 
 
-class LayerwiseSender(KVSender):
+class LayerwiseSender(BookKeeper, KVSender):
     """Transport-independent `KVSender`; subclasses implement `_connect`."""
 
     transport: str  # which PeerAddress.transport this sender can reach
@@ -149,20 +149,8 @@ class LayerwiseSender(KVSender):
             assert state.link is not None
             state.link.queue.put(_Item(_Op.LAYER, state, layer, event))
 
-    def poll(self, request_id: str) -> TransferStatus:
-        return self._book.poll(request_id)
-
-    def wait(self, request_id: str, timeout: float) -> TransferResult:
-        return self._book.wait(request_id, timeout)
-
-    def pop_finished(self) -> list[TransferResult]:
-        return self._book.pop_finished()
-
     def abort(self, request_id: str, reason: str = "aborted by the sender") -> None:
-        with self._lock:
-            state = self._book.get_locked(request_id)
-            if state is not None:
-                self._fail_locked(state, f"transfer {request_id!r}: {reason}", tell_peer=True)
+        self._abort(request_id, reason)
 
     def close(self) -> None:
         with self._lock:
