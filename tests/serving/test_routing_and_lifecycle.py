@@ -197,3 +197,14 @@ def test_health_is_serving(server):
     stub = health_pb2_grpc.HealthStub(server.channel)
     res = stub.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"))
     assert res.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_server_reflection_lists_and_describes_the_service(server):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    db = ProtoReflectionDescriptorDatabase(server.channel)
+    services = set(db.get_services())
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= services
+    desc = db.FindFileContainingSymbol("pdserve.v1.Generation")
+    assert desc.name == "pdserve/v1/generation.proto"
+    assert {m.name for m in desc.service[0].method} == {"Generate", "GetModelInfo"}
