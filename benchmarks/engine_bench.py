@@ -1,6 +1,6 @@
 """The engine against transformers `generate` on CPU, side by side in one process (issue #2).
 
-    python -m benchmarks.engine_bench            # the full run, a table (about 6-8 minutes)
+    python -m benchmarks.engine_bench            # the full run, a table (minutes; see below)
     python -m benchmarks.engine_bench --quick    # a smoke run with small sizes (under a minute)
     python -m benchmarks.engine_bench --json     # one JSON object on stdout instead of the table
 
@@ -11,7 +11,10 @@ for the whole process. Progress lines go to stderr.
 Decisions, so the numbers can be argued with:
 
 - Noise. The machine is shared, so absolute numbers drift with its load. Every measurement alternates
-  engine and HF repetition by repetition and keeps each side's best; the ratios are the result.
+  engine and HF repetition by repetition and keeps each side's best; the ratios are the result. The load
+  average before and after is printed. With 2 threads on 2 cores that other processes also use, every
+  parallel op can wait a scheduler slice for its second thread: the full run takes about 6 minutes on
+  an idle machine and several times that on a busy one (HF's mixed workload is most of it).
 - Decode is timed per step, away from prefill. Engine: the wall time of `LLMEngine.step()` (schedule,
   model, sample, update) over the steps in which every sequence decodes. HF: the interval between two
   calls of a logits processor inside one `generate`, i.e. one forward plus the greedy pick. Each side
@@ -23,14 +26,15 @@ Decisions, so the numbers can be argued with:
   request asked for count. Why this baseline: `generate` has no continuous batching; arrival order is
   what a server sees (grouping by output length would need to know the lengths in advance); batch 8
   keeps padding and the run-to-the-longest waste moderate while still batching. `--hf-batch` changes it.
-  Throughput is output tokens / wall time of the whole workload, prefill included.
+  Throughput is output tokens / time for the whole workload, prefill included. The sides take turns (an
+  HF batch, then engine steps up to the same share of the output tokens), so both see the same load.
 - Prefill: the engine runs one request with `max_tokens=1` as one step (its token budget is 2,048, so
   the prompt is never chunked); HF runs one forward with `logits_to_keep=1` (what `generate` does for
   its prefill), filling its KV cache. A fresh random prompt each repetition, so no prefix cache hits.
 - Roofline: a batch-1 decode step must stream every layer matrix and norm, the final norm and lm_head
   (not the embedding table: one row of it). That many bytes divided by the measured copy bandwidth (a
-  512 MB tensor copy, read plus write bytes per second) is the fastest a step can be; our batch-1 step
-  is reported as a fraction of it.
+  512 MB tensor copy, read plus write bytes per second) is the fastest a step can be; our batch-1 step,
+  timed right after the bandwidth so both see the same load, is reported as a fraction of it.
 - One engine serves all three workloads, with max_num_batched_tokens = 2,048 and max_num_seqs = 64.
 """
 
@@ -40,12 +44,14 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -56,6 +62,7 @@ from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, Schedul
 from engine.config import cdiv
 from engine.hub import ensure_smollm2
 from engine.models.llama import LlamaForCausalLM
+from engine.request import Request
 
 MODEL = "smollm2-135m"
 PAD_ID = 0
@@ -73,7 +80,7 @@ class BenchConfig:
     decode_batches: tuple[int, ...] = (1, 8, 32)
     decode_prompt_len: tuple[int, int] = (32, 64)  # varied, so HF's batch really is padded
     decode_tokens: int = 64  # new tokens per decode run
-    decode_reps: int = 2
+    decode_reps: int = 3
     mixed_requests: int = 64
     mixed_prompt_len: tuple[int, int] = (32, 512)
     mixed_output_len: tuple[int, int] = (16, 256)
@@ -91,7 +98,7 @@ class BenchConfig:
             raise ValueError("BenchConfig.max_num_batched_tokens must fit a whole decode batch's prompts")
 
 
-QUICK = BenchConfig(decode_batches=(1, 8), decode_tokens=8, decode_reps=1, mixed_requests=8,
+QUICK = BenchConfig(decode_batches=(1, 8), decode_tokens=16, decode_reps=2, mixed_requests=8,
                     mixed_prompt_len=(16, 128), mixed_output_len=(4, 24), prefill_lens=(128, 512),
                     prefill_reps=1)
 
@@ -169,15 +176,12 @@ def engine_decode_step(engine: LLMEngine, prompts: Sequence[Prompt], new_tokens:
     return statistics.median(steps)
 
 
-def engine_mixed(engine: LLMEngine, reqs: Sequence[MixedRequest]) -> float:
-    """Seconds to finish the whole workload, all requests submitted at once."""
-    t0 = time.perf_counter()
-    handles = [engine.add_request(r.prompt, greedy(r.max_tokens)) for r in reqs]
-    while engine.has_unfinished_requests():
-        engine.step()
-    dt = time.perf_counter() - t0
-    assert all(len(h.output_token_ids) == r.max_tokens for h, r in zip(handles, reqs))
-    return dt
+def engine_steps_until(engine: LLMEngine, handles: Sequence[Request], tokens: float) -> float:
+    """Step until the requests hold `tokens` output tokens between them (or all are done); seconds spent."""
+    spent = 0.0
+    while engine.has_unfinished_requests() and sum(len(h.output_token_ids) for h in handles) < tokens:
+        spent += timed(engine.step)
+    return spent
 
 
 def engine_prefill(engine: LLMEngine, prompt: Prompt) -> float:
@@ -228,14 +232,6 @@ def hf_decode_step(hf: transformers.PreTrainedModel, prompts: Sequence[Prompt], 
     return statistics.median(b - a for a, b in itertools.pairwise(clock.times))
 
 
-def hf_mixed(hf: transformers.PreTrainedModel, reqs: Sequence[MixedRequest], batch: int) -> float:
-    t0 = time.perf_counter()
-    for i in range(0, len(reqs), batch):
-        group = reqs[i:i + batch]
-        hf_generate(hf, [r.prompt for r in group], max(r.max_tokens for r in group))
-    return time.perf_counter() - t0
-
-
 def hf_prefill(hf: transformers.PreTrainedModel, prompt: Prompt) -> float:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -253,7 +249,7 @@ def copy_bandwidth(num_bytes: int = COPY_BYTES, reps: int = 5) -> float:
 
 
 def decode_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes a batch-1 decode step streams: every layer's weights, the final norm, lm_head, one embedding row."""
+    """Bytes a batch-1 decode step streams: all layer weights, the final norm, lm_head, one embedding row."""
     row = model.embed[0].numel() * model.embed.element_size()
     return model.weight_bytes - model.embed.shape[0] * row + row
 
@@ -286,15 +282,23 @@ def bench_decode(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTraine
 
 def bench_mixed(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTrainedModel,
                 reqs: Sequence[MixedRequest]) -> dict[str, float]:
+    """The two sides take turns, so both see the same machine load: one HF static batch, then engine
+    steps until the engine has produced the same share of the workload's output tokens."""
     tokens = sum(r.max_tokens for r in reqs)
-    progress(f"mixed: {len(reqs)} requests, {sum(len(r.prompt) for r in reqs)} prompt tokens, "
-             f"{tokens} output tokens; engine first")
-    e = engine_mixed(engine, reqs)
-    progress(f"mixed: engine {e:.1f}s; now HF in static batches of {cfg.hf_batch}")
-    h = hf_mixed(hf, reqs, cfg.hf_batch)
-    progress(f"mixed: HF {h:.1f}s")
+    batches = [reqs[i:i + cfg.hf_batch] for i in range(0, len(reqs), cfg.hf_batch)]
+    progress(f"mixed: {len(reqs)} requests, {sum(len(r.prompt) for r in reqs)} prompt tokens, {tokens} "
+             f"output tokens; HF in {len(batches)} static batches, the engine in step with it")
+    engine.allocator.reset_cache()
+    t0 = time.perf_counter()
+    handles = [engine.add_request(r.prompt, greedy(r.max_tokens)) for r in reqs]
+    engine_s, hf_s = time.perf_counter() - t0, 0.0
+    for i, batch in enumerate(batches, 1):
+        hf_s += timed(partial(hf_generate, hf, [r.prompt for r in batch], max(r.max_tokens for r in batch)))
+        engine_s += engine_steps_until(engine, handles, tokens * i / len(batches))
+        progress(f"mixed: {i}/{len(batches)} done, engine {engine_s:.1f}s, HF {hf_s:.1f}s")
+    assert all(len(h.output_token_ids) == r.max_tokens for h, r in zip(handles, reqs))
     return {"requests": len(reqs), "output_tokens": tokens, "hf_batch": cfg.hf_batch,
-            "engine_s": e, "hf_s": h, "engine_tok_s": tokens / e, "hf_tok_s": tokens / h}
+            "engine_s": engine_s, "hf_s": hf_s, "engine_tok_s": tokens / engine_s, "hf_tok_s": tokens / hf_s}
 
 
 def bench_prefill(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTrainedModel,
@@ -309,13 +313,19 @@ def bench_prefill(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTrain
     return results
 
 
-def bench_roofline(engine: LLMEngine, engine_b1_step_s: float) -> dict[str, float]:
+def bench_roofline(cfg: BenchConfig, engine: LLMEngine, rng: random.Random, vocab: int) -> dict[str, float]:
+    """The copy bandwidth and the engine's batch-1 step, measured back to back so both see the same load;
+    the median of `decode_reps` such pairs."""
     nbytes = decode_bytes(engine.model)
-    bandwidth = copy_bandwidth()
+    prompt = random_prompt(rng, cfg.decode_prompt_len[1], vocab)
+    pairs = [(copy_bandwidth(), engine_decode_step(engine, [prompt], cfg.decode_tokens))
+             for _ in range(cfg.decode_reps)]
+    bandwidth, engine_step = sorted(pairs, key=lambda p: p[0] * p[1])[len(pairs) // 2]
     step = nbytes / bandwidth
-    progress(f"roofline: {nbytes / 1e6:.1f} MB per step / {bandwidth / 1e9:.1f} GB/s = {step * 1e3:.1f} ms")
+    progress(f"roofline: {nbytes / 1e6:.1f} MB per step / {bandwidth / 1e9:.1f} GB/s = {step * 1e3:.1f} ms; "
+             f"engine batch 1 {engine_step * 1e3:.1f} ms/step beside it")
     return {"bytes_per_step": nbytes, "copy_gb_s": bandwidth / 1e9, "step_ms": step * 1e3,
-            "tok_s": 1 / step, "engine_fraction": step / engine_b1_step_s}
+            "tok_s": 1 / step, "engine_step_ms": engine_step * 1e3, "engine_fraction": step / engine_step}
 
 
 def warm_up(engine: LLMEngine, hf: transformers.PreTrainedModel, rng: random.Random, vocab: int) -> None:
@@ -327,6 +337,7 @@ def warm_up(engine: LLMEngine, hf: transformers.PreTrainedModel, rng: random.Ran
 
 def run(cfg: BenchConfig) -> dict:
     torch.set_num_threads(cfg.threads)
+    load_before = os.getloadavg()[0]
     progress(f"loading {MODEL} (fp32) into transformers and into the engine, {cfg.threads} threads")
     hf = load_hf()
     vocab = hf.config.vocab_size
@@ -338,7 +349,7 @@ def run(cfg: BenchConfig) -> dict:
     decode = bench_decode(cfg, engine, hf, rng, vocab)
     mixed_result = bench_mixed(cfg, engine, hf, mixed)
     prefill = bench_prefill(cfg, engine, hf, rng, vocab)
-    roofline = bench_roofline(engine, decode["1"]["engine_step_ms"] / 1e3)
+    roofline = bench_roofline(cfg, engine, rng, vocab)
     longest = prefill.get("2048")
     return {
         "decode_b1_vs_hf": decode["1"]["engine_tok_s"] / decode["1"]["hf_tok_s"],
@@ -346,6 +357,7 @@ def run(cfg: BenchConfig) -> dict:
         "prefill_2048_vs_hf": longest["engine_tok_s"] / longest["hf_tok_s"] if longest else None,
         "decode_b1_vs_roofline": roofline["engine_fraction"],
         "model": MODEL, "dtype": "float32", "threads": cfg.threads, "torch": torch.__version__,
+        "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(),
         "transformers": transformers.__version__, "config": dataclasses.asdict(cfg),
         "decode": decode, "mixed": mixed_result, "prefill": prefill, "roofline": roofline,
     }
@@ -366,11 +378,15 @@ def table(r: dict) -> str:
     for n, p in r["prefill"].items():
         row(f"prefill {n} (tok/s)", p["engine_tok_s"], p["hf_tok_s"], "")
     f = r["roofline"]
-    rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s copy "
-                f"= {f['step_ms']:.1f} ms ({f['tok_s']:.0f} tok/s); engine batch 1 = "
-                f"{100 * f['engine_fraction']:.0f}% of it")
+    rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s "
+                f"copy = {f['step_ms']:.1f} ms; engine batch 1 beside it {f['engine_step_ms']:.1f} ms = "
+                f"{100 * f['engine_fraction']:.0f}% of the roofline")
     rows.append(f"mixed: HF in static batches of {m['hf_batch']}, engine {m['engine_s']:.1f}s vs HF "
                 f"{m['hf_s']:.1f}s for {m['output_tokens']} output tokens")
+    before, after = r["load_avg"]
+    rows.append(f"load average {before:.1f} before, {after:.1f} after, on {r['cpus']} CPUs"
+                + (" (other processes shared the cores: trust the ratios more than the numbers)"
+                   if max(before, after) > r["cpus"] - r["threads"] + 0.5 else ""))
     return "\n".join(rows)
 
 

@@ -207,6 +207,9 @@ def pin_ray_to_loopback() -> None:
     to the machine's routable IP unless its single-machine mode is on, which this variable turns on.
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # NOTE: Ray starts workers at nice 15, so any ordinary process on the box steals their CPU; the model
+    # replicas are the point of this machine.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 

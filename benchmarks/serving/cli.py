@@ -4,30 +4,29 @@
     pdserve bench --server 127.0.0.1:50051 --workload chat --rate 2 --num-requests 100
     pdserve bench --launch 1p1d 2c --workload chat rag --rate 1 --goodput --ttft-slo 2 --itl-slo 0.1
 
-`--launch` starts each layout in turn on one local Ray cluster (see `launch`), runs every workload on it,
-and stops it before the next; `--server` measures a running deployment. Results: a table on stdout,
-`OUT.json` and `OUT.png` (`--out`). Progress and server logs go to stderr.
+`--launch` starts every layout in this process on one local Ray cluster (see `launch`) and offers each
+workload's requests to them in alternating rounds (see `compare`); `--server` measures a running
+deployment. Results: a table on stdout, `OUT.json` and `OUT.png` (`--out`). Progress and server logs go to
+stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import shlex
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.serving.client import RunResult, run_load
-from benchmarks.serving.goodput import GoodputSearch, Probe
+from benchmarks.serving.compare import Plan, Target, compare
+from benchmarks.serving.goodput import GoodputSearch
 from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
 from benchmarks.serving.load import Load
-from benchmarks.serving.report import LayoutRun, format_table, plot, write_json
-from benchmarks.serving.stats import SLO, itls, summarize, ttfts
-from benchmarks.serving.workloads import Vocab, Workload, make_workload
-
-WARMUP_SEED_OFFSET = 10_000  # warmup prompts never repeat a measured prompt (no prefix-cache head start)
+from benchmarks.serving.report import LayoutRun, format_probes, format_table, plot, write_json
+from benchmarks.serving.stats import SLO
+from benchmarks.serving.workloads import Vocab, make_workload
 
 
 def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
@@ -44,7 +43,10 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     load.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight (default 4)")
     p.add_argument("--num-requests", type=int, default=100, help="send at most this many per run")
     p.add_argument("--duration", type=float, default=None, help="send nothing after this many seconds per run")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests, one at a time, before each run")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="unmeasured requests, one at a time, per server and workload before measuring")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="split each run into this many slices, offered to the layouts in ABBA order (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds (default 1)")
     p.add_argument("--itl-slo", type=float, default=0.1,
@@ -76,23 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         slo = SLO(args.ttft_slo, args.itl_slo)
-        workloads = [make_workload(w) for w in args.workload]
-        layouts = [Layout.parse(s) for s in args.launch] if args.launch else []
         load = Load(rate=args.rate, concurrency=None if args.rate else (args.concurrency or 4),
                     num_requests=args.num_requests, duration_s=args.duration, seed=args.seed)
         if args.goodput and not args.rate:
             raise ValueError("--goodput searches open-loop rates: give the starting --rate")
-        search = (GoodputSearch(args.rate, args.goodput_probes, args.goodput_target) if args.goodput else None)
+        plan = Plan(tuple(make_workload(w) for w in args.workload), load, slo,
+                    GoodputSearch(args.rate, args.goodput_probes, args.goodput_target) if args.goodput else None,
+                    rounds=args.rounds, warmup=args.warmup, seed=args.seed, request_timeout_s=args.request_timeout,
+                    drain_timeout_s=args.drain_timeout, progress=not args.no_progress)
+        layouts = [Layout.parse(s) for s in args.launch] if args.launch else []
+        if len({layout.label for layout in layouts}) < len(layouts):
+            raise ValueError("--launch: each layout at most once")
     except ValueError as e:
         parser.error(str(e))
     out = Path(args.out or f"bench-results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
 
     try:
-        runs = run_all(args, layouts, workloads, load, slo, search)
+        runs = run_all(args, layouts, plan)
     except ValueError as e:  # a workload that does not fit the served model, a bad layout option
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
     print(format_table(runs, slo))
+    if plan.search is not None:
+        print(format_probes(runs))
     command = "pdserve bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     write_json(out.with_suffix(".json"), runs, slo, command, _settings(args))
     title = args.title or f"{', '.join(args.workload)} on {args.model if args.launch else args.server}"
@@ -101,85 +109,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_all(args: argparse.Namespace, layouts: list[Layout], workloads: list[Workload], load: Load, slo: SLO,
-            search: GoodputSearch | None) -> list[LayoutRun]:
+def run_all(args: argparse.Namespace, layouts: list[Layout], plan: Plan) -> list[LayoutRun]:
+    """Start the layouts (every one stays up until the end; see `compare`), then compare."""
     if args.server:
-        return asyncio.run(bench_server(args.server, None, workloads, load, slo, search, args))
+        return asyncio.run(_bench([(None, args.server)], plan))
     options = dict(model=args.model, port=0, metrics_port=None, worker_threads=args.worker_threads,
                    num_blocks=args.num_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_transport=args.kv_transport)
     configs = [layout.serve_config(**options) for layout in layouts]  # bad options fail before Ray starts
     start_ray(layouts)
-    runs: list[LayoutRun] = []
-    for layout, config in zip(layouts, configs):
-        _log(f"starting layout {layout.label} ({layout.description})")
-        with LocalDeployment(config) as deployment:
-            runs += asyncio.run(bench_server(deployment.address, layout, workloads, load, slo, search, args))
-    return runs
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for layout, config in zip(layouts, configs):
+            _log(f"starting layout {layout.label} ({layout.description})")
+            servers.append((layout, stack.enter_context(LocalDeployment(config)).address))
+        return asyncio.run(_bench(servers, plan))
 
 
-async def bench_server(address: str, layout: Layout | None, workloads: list[Workload], load: Load, slo: SLO,
-                       search: GoodputSearch | None, args: argparse.Namespace) -> list[LayoutRun]:
-    """Every workload against one server, in order."""
+async def _bench(servers: list[tuple[Layout | None, str]], plan: Plan) -> list[LayoutRun]:
     import grpc
 
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-        vocab = Vocab.for_model(info.vocab_size)
-        label, description = (layout.label, layout.description) if layout else _describe(info, address)
-        for w in workloads:
-            w.check_fits(info.max_model_len)
-        return [await bench_workload(stub, vocab, label, description, w, load, slo, search, args) for w in workloads]
-
-
-async def bench_workload(stub, vocab: Vocab, label: str, description: str, workload: Workload, load: Load,
-                         slo: SLO, search: GoodputSearch | None, args: argparse.Namespace) -> LayoutRun:
-    """One workload on one server: warmup, the run at `load`, then the goodput search if asked."""
-
-    async def measure(run: Load, seed: int, what: str) -> RunResult:
-        specs = workload.requests(run.num_requests, seed, vocab)
-        return await run_load(stub, specs, run, id_prefix=f"{workload.name}-{seed}",
-                              request_timeout_s=args.request_timeout, drain_timeout_s=args.drain_timeout,
-                              progress=not args.no_progress, desc=f"{label} {workload.name} {what}")
-
-    if args.warmup:
-        await measure(Load(concurrency=1, num_requests=args.warmup), args.seed + WARMUP_SEED_OFFSET, "warmup")
-    result = _layout_run(label, description, workload.name, await measure(load, args.seed, load.label), slo)
-    s = result.summary
-    _log(f"{label} {workload.name} {load.label}: {s.num_completed}/{s.num_sent} ok, SLO met {s.slo_attainment:.0%}")
-    if search is None:
-        return result
-    probes = [Probe(load.rate, s.slo_attainment)]
-    result.probes.append(_probe_dict(load.rate, s))
-    while (rate := search.next_rate(probes)) is not None:
-        seed = args.seed + len(probes)  # fresh prompts and arrivals for every probe
-        probe = Load(rate=rate, num_requests=load.num_requests, duration_s=load.duration_s, seed=seed)
-        summary = summarize(await measure(probe, seed, f"probe {rate:.2f} req/s"), slo)
-        probes.append(Probe(rate, summary.slo_attainment))
-        result.probes.append(_probe_dict(rate, summary))
-        _log(f"{label} {workload.name} goodput probe {rate:.3g} req/s: SLO met {summary.slo_attainment:.0%}")
-    result.goodput = search.result(probes)
-    return result
-
-
-def _layout_run(label: str, description: str, workload: str, result: RunResult, slo: SLO) -> LayoutRun:
-    by_kind = defaultdict(list)
-    for r in result.records:
-        by_kind[r.kind].append(r)
-    kinds = {}
-    if len(by_kind) > 1:
-        kinds = {k: summarize(RunResult(result.load, recs, result.started_at, result.finished_at), slo)
-                 for k, recs in sorted(by_kind.items())}
-    return LayoutRun(label, description, workload, result.load.label, summarize(result, slo),
-                     ttfts(result.records), itls(result.records), kinds)
-
-
-def _probe_dict(rate: float, summary) -> dict:
-    return {"rate": rate, "slo_attainment": summary.slo_attainment, "summary": summary.to_dict()}
+    async with contextlib.AsyncExitStack() as stack:
+        targets = []
+        for layout, address in servers:
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+            stub = pb_grpc.GenerationStub(channel)
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            for w in plan.workloads:
+                w.check_fits(info.max_model_len)
+            label, description = (layout.label, layout.description) if layout else _describe(info, address)
+            targets.append(Target(label, description, stub, Vocab.for_model(info.vocab_size)))
+        return await compare(targets, plan)
 
 
 def _describe(info, address: str) -> tuple[str, str]:

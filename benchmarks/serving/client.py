@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,6 +37,8 @@ class RequestRecord:
     cached_prompt_tokens: int = 0
     prefill_worker: str = ""
     decode_worker: str = ""
+    # the server's own TTFT breakdown (the last message's `timing`): queue, prefill, kv_transfer, first_decode
+    stages: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # gRPC status, or why the client gave up on it
 
     @property
@@ -71,18 +73,24 @@ class RequestRecord:
         self.token_times.extend([now] * n)
 
 
+CANCELLED = "cancelled"
+StopRule = Callable[[Sequence[RequestRecord], int, float], bool]  # (records so far, planned, now) -> stop?
+
+
 @dataclass
 class RunResult:
     """One load's records, in workload order (requests never sent are absent)."""
 
     load: Load
     records: list[RequestRecord]
-    started_at: float
-    finished_at: float  # the last request's end (or when the client gave up on the stragglers)
+    duration_s: float  # the first send to the last answer (or to when the client gave up on the stragglers)
+    stopped_early: bool = False  # `stop_when` ended it: requests still in flight were cancelled
 
-    @property
-    def duration_s(self) -> float:
-        return max(self.finished_at - self.started_at, 1e-9)
+    @classmethod
+    def merge(cls, load: Load, parts: Sequence[RunResult]) -> RunResult:
+        """Rounds of one run as one: their records, and their durations added."""
+        records = sorted((r for p in parts for r in p.records), key=lambda r: r.index)
+        return cls(load, records, sum(p.duration_s for p in parts), any(p.stopped_early for p in parts))
 
 
 def to_request(spec: RequestSpec, request_id: str) -> pb.GenerateRequest:
@@ -107,66 +115,101 @@ async def send_one(stub: pb_grpc.GenerationStub, spec: RequestSpec, record: Requ
                 record.finish_reason = pb.FinishReason.Name(msg.finish_reason)
                 record.cached_prompt_tokens = msg.usage.cached_prompt_tokens
                 record.prefill_worker, record.decode_worker = msg.prefill_worker_id, msg.decode_worker_id
+                t = msg.timing
+                record.stages = {"queue": t.queue_seconds, "prefill": t.prefill_seconds,
+                                 "kv_transfer": t.kv_transfer_seconds, "first_decode": t.first_decode_step_seconds}
         if record.done_at is None:
             record.error = "stream ended without a finish_reason"
     except grpc.aio.AioRpcError as e:
         record.error = f"{e.code().name}: {e.details()}"
     except asyncio.CancelledError:
         call.cancel()
-        record.error = "cancelled: still running when the drain timeout passed"
+        record.error = CANCELLED
         raise
 
 
 async def run_load(stub: pb_grpc.GenerationStub, specs: Sequence[RequestSpec], load: Load, *,
-                   id_prefix: str = "bench", request_timeout_s: float = 600.0, drain_timeout_s: float = 300.0,
-                   progress: bool = False, desc: str = "") -> RunResult:
+                   id_prefix: str = "bench", first_index: int = 0, request_timeout_s: float = 600.0, drain_timeout_s: float = 300.0,
+                   stop_when: StopRule | None = None, progress: bool = False, desc: str = "") -> RunResult:
     """Send `specs` (at most `load.num_requests` of them) under `load` and wait for their answers.
 
     Requests still streaming `drain_timeout_s` after the last one was sent are cancelled and recorded with
-    an error; they count as sent, not completed.
+    an error; they count as sent, not completed. Records are numbered from `first_index`. `stop_when`, polled 4 times a second, ends the run early
+    (nothing more is sent, requests in flight are cancelled): a goodput probe that has already failed.
     """
     specs = list(specs[:load.num_requests])
     offsets = load.arrival_offsets() if load.open_loop else []
+    planned = len(offsets) if load.open_loop else len(specs)
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
-    bar = _progress_bar(len(offsets) if load.open_loop else len(specs), desc, progress)
+    stop = asyncio.Event()
+    bar = _progress_bar(planned, desc, progress)
 
     def start(i: int) -> asyncio.Task:
         spec = specs[i]
-        rec = RequestRecord(i, spec.kind, spec.num_prompt_tokens, spec.max_tokens)
+        rec = RequestRecord(first_index + i, spec.kind, spec.num_prompt_tokens, spec.max_tokens)
         records.append(rec)
-        task = asyncio.ensure_future(send_one(stub, spec, rec, f"{id_prefix}-{i}", request_timeout_s))
+        task = asyncio.ensure_future(send_one(stub, spec, rec, f"{id_prefix}-{rec.index}", request_timeout_s))
         task.add_done_callback(lambda _: bar.update(1))
         tasks.append(task)
         return task
 
+    async def watch() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.25)
+            if stop_when(records, planned, time.perf_counter()):
+                stop.set()
+
+    watcher = asyncio.ensure_future(watch()) if stop_when is not None else None
     t0 = time.perf_counter()
     deadline = t0 + load.duration_s if load.duration_s is not None else float("inf")
     if load.open_loop:
         for i, offset in enumerate(offsets):
             delay = t0 + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            if delay > 0 and await _wait(stop, delay):
+                break
             start(i)
-        _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s) if tasks else (set(), set())
+        in_flight = asyncio.gather(*tasks, return_exceptions=True)
+        await _wait(stop, drain_timeout_s, asyncio.shield(in_flight))
+        pending = [t for t in tasks if not t.done()]
     else:
         next_index = iter(range(len(specs)))
 
         async def user() -> None:
             for i in next_index:  # shared: each user takes the next request in workload order
-                if time.perf_counter() > deadline:
+                if time.perf_counter() > deadline or stop.is_set():
                     return
                 await start(i)
 
-        users = [asyncio.ensure_future(user()) for _ in range(load.concurrency)]
+        users = asyncio.gather(*(user() for _ in range(load.concurrency)))
         limit = None if load.duration_s is None else load.duration_s + drain_timeout_s
-        _, pending = await asyncio.wait(users, timeout=limit)
-    for t in pending:  # cancelling a user cancels the request it waits on
+        await _wait(stop, limit, asyncio.shield(users))
+        pending = [t for t in tasks if not t.done()]
+        users.cancel()
+    for t in pending:
         t.cancel()
-    await asyncio.gather(*tasks, *pending, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if watcher is not None:
+        watcher.cancel()
     bar.close()
-    ends = [r.done_at for r in records if r.done_at is not None]
-    return RunResult(load, sorted(records, key=lambda r: r.index), t0, max(ends, default=time.perf_counter()))
+    why = ("cancelled: the run had already failed (stop_when)" if stop.is_set()
+           else "cancelled: still running when the drain timeout passed")
+    for r in records:
+        if r.error == CANCELLED:
+            r.error = why
+    end = max((r.done_at for r in records if r.done_at is not None), default=time.perf_counter())
+    return RunResult(load, sorted(records, key=lambda r: r.index), max(end - t0, 1e-9), stop.is_set())
+
+
+async def _wait(stop: asyncio.Event, timeout: float | None, work: asyncio.Future | None = None) -> bool:
+    """Wait for `work` (or just `timeout` seconds) unless `stop` is set first; True if it was."""
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([waiter] if work is None else [waiter, work], timeout=timeout,
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    return stop.is_set()
 
 
 def _progress_bar(total: int | None, desc: str, enabled: bool):

@@ -4,15 +4,20 @@ Found by a short search over open-loop rates: from `start_rate`, multiply by `fa
 (divide while they fail) until the rate is bracketed, then bisect the bracket until it is within
 `tolerance` of its lower end or the probe budget is spent. The answer is the highest passing rate probed:
 a lower bound, with the lowest failing rate above it as the bracket's top. Each probe is a full run with
-fresh prompts, so it costs what a run at that rate costs; on noisy machines a probe near the edge can pass
+fresh prompts, so it costs what a run at that rate costs, except that a probe stops as soon as it has
+certainly failed (`hopeless`: more requests already missed than the target allows); on noisy machines a probe near the edge can pass
 or fail by chance, which the bracket's width makes visible.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from benchmarks.serving.client import RequestRecord, StopRule
+from benchmarks.serving.stats import SLO
 
 
 class Probe(NamedTuple):
@@ -58,12 +63,24 @@ class GoodputSearch:
             return None
         result = self.result(probes)
         if result.rate == 0.0:  # nothing passed yet: go down
-            return min(p.rate for p in probes) / self.factor
-        if result.upper is None:  # nothing above the best pass failed yet: go up
-            return result.rate * self.factor
-        if result.upper <= result.rate * (1 + self.tolerance):
+            rate = min(p.rate for p in probes) / self.factor
+        elif result.upper is None:  # nothing above the best pass failed yet: go up
+            rate = result.rate * self.factor
+        elif result.upper <= result.rate * (1 + self.tolerance):
             return None
-        return (result.rate + result.upper) / 2
+        else:
+            rate = (result.rate + result.upper) / 2
+        return round(rate, 6)  # 0.45, not 0.44999999999999996, in the report
+
+    def hopeless(self, slo: SLO) -> StopRule:
+        """A `run_load` stop rule: the probe has failed once more of its planned requests missed than the
+        target allows, so running it to the end would only cost time (attainment can only be lower)."""
+
+        def rule(records: Sequence[RequestRecord], planned: int, now: float) -> bool:
+            allowed = planned - math.ceil(self.target * planned - 1e-9)  # misses a passing probe can have
+            return sum(slo.missed(r, now) for r in records) > allowed
+
+        return rule
 
     def result(self, probes: Sequence[Probe]) -> Goodput:
         passing = [p.rate for p in probes if self.passed(p)]

@@ -1,4 +1,4 @@
-"""Server layouts started by the bench itself (`--launch`), one after another, in this process.
+"""Server layouts started by the bench itself (`--launch`), in this process, on one local Ray cluster.
 
 A layout is a short spec: `1p1d` (1 prefill + 1 decode worker), `2p1d:round-robin` (with the router's
 round-robin policy instead of the default prefix-aware one), `2c` (2 colocated workers, each prefilling and
@@ -6,11 +6,11 @@ decoding its own requests).
 
 NOTE: why in-process and not `pdserve serve` subprocesses. One Ray cluster (started once, pinned to
 loopback by `init_ray`) serves every layout, so the runs differ only in the layout, and `ray.init`'s few
-seconds are paid once. The workers are Ray actor processes either way; only the router shares this
+seconds are paid once. The workers are Ray actor processes either way; only the routers share this
 process (and its GIL) with the load generator, the same way for every layout. On a 2-core machine that is
-also the cheaper choice: a router subprocess would be one more process competing with the workers. Each
-layout's `Server` runs on its own event-loop thread and is stopped (its actors killed) before the next
-one starts, so no layout's workers take CPU from another's.
+also the cheaper choice: a router subprocess per layout would be more processes competing with the
+workers. Each layout's `Server` runs on its own event-loop thread. All layouts stay up for the whole bench
+(`compare` explains why); only one is ever offered load, the others' workers sit idle.
 """
 
 from __future__ import annotations
@@ -102,7 +102,19 @@ class LocalDeployment:
 
 
 def start_ray(layouts: list[Layout]) -> None:
-    """One local Ray cluster on 127.0.0.1 with a CPU slot for every worker of the largest layout."""
-    from router.server import init_ray
+    """One local Ray cluster on 127.0.0.1 with a CPU slot for every worker of every layout (all are up at
+    once; Ray's CPU count is a slot count here, not the machine's cores).
 
-    init_ray(None, max(layout.num_workers for layout in layouts))
+    NOTE: Ray starts worker processes at nice 15 (its `worker_niceness`), so on a shared machine any
+    nice-0 process (another user's test run, a compiler) takes the CPU from the workers almost entirely
+    and the numbers measure the neighbours. `pin_ray_to_loopback` runs them at nice 0, like the router and
+    the load generator. (A cluster already running in this process keeps its setting.)
+    """
+    from router.server import init_ray, pin_ray_to_loopback
+
+    pin_ray_to_loopback()  # before `import ray`
+    import ray
+
+    if ray.is_initialized():
+        return
+    init_ray(None, sum(layout.num_workers for layout in layouts))

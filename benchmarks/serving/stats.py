@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 from benchmarks.serving.client import RequestRecord, RunResult
 
+STAGES = ("queue", "prefill", "kv_transfer", "first_decode")
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The `q`-th percentile (0-100) of `values`, interpolated linearly between closest ranks; NaN if empty."""
@@ -61,6 +63,16 @@ class SLO:
         return r.mean_itl is None or r.mean_itl <= self.itl_s  # a 1-token answer has no gaps to miss
 
 
+    def missed(self, r: RequestRecord, now: float) -> bool:
+        """Already certain to miss at `now`: ended without meeting the SLOs, or its first token came (or
+        is still not here) later than the TTFT SLO. An ITL miss is certain only once it ends."""
+        if r.done_at is not None or r.error is not None:
+            return not self.met_by(r)
+        if r.ttft is not None:
+            return r.ttft > self.ttft_s
+        return r.sent_at > 0 and now - r.sent_at > self.ttft_s
+
+
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
     """The share of requests that met both SLOs (0.0 for no requests)."""
     return sum(slo.met_by(r) for r in records) / len(records) if records else 0.0
@@ -83,17 +95,25 @@ class Summary:
     output_tokens_per_s: float
     requests_per_s: float  # completed requests per second
     slo_attainment: float
+    # medians of the server's TTFT breakdown (`Timing` on the last message): queue, prefill, kv_transfer, ...
+    stages_p50: dict[str, float]
 
     @property
     def cached_share(self) -> float:
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     def to_dict(self) -> dict:
+        """JSON-ready: NaN (no values to take a percentile of) becomes None."""
         d = asdict(self)
         for name in ("ttft", "itl", "e2e"):
-            d[name] = getattr(self, name)._asdict()
+            d[name] = {k: _finite(v) for k, v in getattr(self, name)._asdict().items()}
         d["cached_share"] = self.cached_share
+        d["stages_p50"] = {k: _finite(v) for k, v in self.stages_p50.items()}
         return d
+
+
+def _finite(v: float) -> float | None:
+    return None if math.isnan(v) else v
 
 
 def summarize(run: RunResult, slo: SLO) -> Summary:
@@ -106,7 +126,8 @@ def summarize(run: RunResult, slo: SLO) -> Summary:
         ttft=Percentiles.of(ttfts(done)), itl=Percentiles.of(itls(done)),
         e2e=Percentiles.of([r.e2e for r in done]),
         output_tokens_per_s=n_out / run.duration_s, requests_per_s=len(done) / run.duration_s,
-        slo_attainment=attainment(run.records, slo))
+        slo_attainment=attainment(run.records, slo),
+        stages_p50={k: percentile([r.stages[k] for r in done if k in r.stages], 50) for k in STAGES})
 
 
 def ttfts(records: Sequence[RequestRecord]) -> list[float]:

@@ -93,3 +93,19 @@ def test_bad_arguments_fail_before_anything_starts(capsys):
     with pytest.raises(SystemExit):
         bench(["--launch", "1p1d", "--goodput", "--concurrency", "2"])
     assert "--goodput searches open-loop rates" in capsys.readouterr().err
+
+
+def test_a_run_stops_early_when_asked_and_cancels_what_is_in_flight(server):
+    specs = chat().requests(30, 6, TINY_VOCAB)
+
+    async def go():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            return await run_load(pb_grpc.GenerationStub(channel), specs, Load(rate=4, num_requests=30),
+                                  id_prefix="early", stop_when=lambda recs, planned, now: len(recs) >= 3)
+
+    result = asyncio.run(go())
+    assert result.stopped_early and 3 <= len(result.records) < 30
+    cancelled = [r for r in result.records if not r.ok]
+    assert all("already failed" in r.error for r in cancelled)
+    reports = server.wait_idle()  # cancelled streams free their blocks
+    assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values())

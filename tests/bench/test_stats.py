@@ -66,7 +66,7 @@ def test_summary_of_a_hand_made_run():
     assert not SLO(1.0, 0.14).met_by(recs[0])  # its mean gap is 0.15
     assert attainment(recs, slo) == 0.5 and attainment([], slo) == 0.0
 
-    s = summarize(RunResult(Load(rate=1), recs, started_at=0.0, finished_at=4.1), slo)
+    s = summarize(RunResult(Load(rate=1), recs, duration_s=4.1), slo)
     assert (s.num_sent, s.num_completed, s.num_failed) == (4, 3, 1)
     assert s.num_output_tokens == 8  # the failed request's token counts as received
     assert s.output_tokens_per_s == pytest.approx(8 / 4.1) and s.requests_per_s == pytest.approx(3 / 4.1)
@@ -119,3 +119,37 @@ def test_goodput_search_edges():
                 dict(start_rate=1, factor=1), dict(start_rate=1, tolerance=0)):
         with pytest.raises(ValueError):
             GoodputSearch(**bad)
+
+
+def test_a_miss_is_certain_once_the_first_token_is_late_or_the_request_ended_without_meeting():
+    slo = SLO(ttft_s=1.0, itl_s=0.1)
+    waiting = RequestRecord(0, "x", 16, 4, sent_at=10.0)
+    assert not slo.missed(waiting, now=10.9) and slo.missed(waiting, now=11.1)
+    assert not slo.missed(RequestRecord(1, "x", 16, 4), now=99.0)  # created, not sent yet
+    early = record(2, 10.0, [(10.5, 1)])
+    early.done_at = None  # still streaming, first token in time: its ITL is not known yet
+    assert not slo.missed(early, now=50.0)
+    assert slo.missed(record(3, 10.0, [(11.5, 1)]), now=12.0)  # first token late
+    assert slo.missed(record(4, 10.0, [(10.2, 1), (10.6, 1)]), now=11.0)  # ended, mean gap 0.4
+    assert slo.missed(record(5, 10.0, [(10.2, 1)], error="ABORTED: x"), now=11.0)
+
+
+def test_a_probe_is_hopeless_once_more_than_the_allowed_share_missed():
+    rule = GoodputSearch(start_rate=1.0, target=0.9).hopeless(SLO(1.0, 0.1))
+    ok = [record(i, 0.0, [(0.5, 1)]) for i in range(5)]
+    late = [record(10 + i, 0.0, [(2.0, 1)]) for i in range(3)]
+    # 30 planned: 10% allows 3 misses, the 4th makes the probe fail whatever the others do
+    assert not rule(ok + late, 30, 5.0)
+    assert rule(ok + late + [record(20, 0.0, [(3.0, 1)])], 30, 5.0)
+    assert rule(ok + late, 20, 5.0)  # 20 planned: 2 misses allowed
+
+
+def test_summary_json_has_no_nan():
+    import json
+
+    s = summarize(RunResult(Load(rate=1), [record(0, 0.0, [(1.0, 1)], error="UNAVAILABLE: x")], duration_s=1.0),
+                  SLO(1.0, 0.1))
+    assert math.isnan(s.ttft.p50)
+    d = s.to_dict()
+    assert d["ttft"]["p50"] is None and d["stages_p50"]["queue"] is None
+    json.dumps(d, allow_nan=False)
