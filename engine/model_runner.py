@@ -26,6 +26,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.device = kv_cache.device
+        # attention's gather scratch; grows to the largest step seen and is kept (see `_gather_kv`)
+        self.workspace = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
 
     def execute(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Logits [num_chunks, vocab] (float32) at each scheduled chunk's last token."""
@@ -56,15 +58,27 @@ class ModelRunner:
             q_start, c = decode_rows.pop()
             seqs.append(self._seq_attention(q_start, c))
         dev = self.device
+        groups = self._decode_groups(decode_rows)
+        gathered = [len(s.block_table) for s in seqs if s.block_table is not None]
+        gathered += [len(g.block_ids) for g in groups]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             seqs=seqs,
-            decode_groups=self._decode_groups(decode_rows),
+            decode_groups=groups,
             num_tokens=len(ids),
+            workspace=self._workspace(max(gathered, default=0)),
         )
         return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                            torch.tensor(positions, dtype=torch.long, device=dev), meta,
                            torch.tensor(logits_indices, dtype=torch.long, device=dev))
+
+    def _workspace(self, num_blocks: int) -> torch.Tensor:
+        """Room for the K and V of `num_blocks` blocks of one layer."""
+        spec = self.kv_cache.spec
+        need = 2 * num_blocks * spec.block_size * spec.num_kv_heads * spec.head_dim
+        if self.workspace.numel() < need:
+            self.workspace = torch.empty(need, dtype=spec.dtype, device=self.device)
+        return self.workspace
 
     def _seq_attention(self, q_start: int, c: ScheduledChunk) -> SeqAttention:
         if c.start == 0:
@@ -75,7 +89,7 @@ class ModelRunner:
         mask = None
         if c.num_tokens > 1:  # a later prefill chunk: causal within the chunk, full view of the past
             q_pos = torch.arange(c.start, c.end, device=self.device)
-            mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
+            mask = self._additive_mask(torch.arange(ctx, device=self.device)[None, :] > q_pos[:, None])
         return SeqAttention(q_start, c.num_tokens, fresh=False, block_table=table, ctx_len=ctx, mask=mask)
 
     def _decode_groups(self, rows: list[tuple[int, ScheduledChunk]]) -> list[DecodeGroup]:
@@ -97,7 +111,11 @@ class ModelRunner:
         dev = self.device
         lens = torch.tensor(ctx, device=dev)
         padding = torch.arange(width * bs, device=dev)[None, :] >= lens[:, None]  # [B, L]
-        mask = torch.zeros(padding.shape, dtype=self.kv_cache.spec.dtype, device=dev)
         return DecodeGroup(rows=torch.tensor([q for q, _ in rows], dtype=torch.long, device=dev),
                            block_ids=torch.tensor(tables, dtype=torch.long, device=dev).flatten(),
-                           mask=mask.masked_fill_(padding, float("-inf"))[:, None, None, :])
+                           mask=self._additive_mask(padding)[:, None, None, :])
+
+    def _additive_mask(self, hidden: torch.Tensor) -> torch.Tensor:
+        """0 where attention may look, -inf where `hidden`, in the model dtype."""
+        mask = torch.zeros(hidden.shape, dtype=self.kv_cache.spec.dtype, device=self.device)
+        return mask.masked_fill_(hidden, float("-inf"))

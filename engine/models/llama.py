@@ -1,8 +1,9 @@
 """The Llama family (Llama 2/3, Mistral, TinyLlama, SmolLM2) over a paged KV cache.
 
-Weights are plain tensors, not nn.Modules: a decode step at batch 1 is bound by reading the weights, and
-per-module Python overhead is what separates a naive implementation from the bandwidth roofline. Q/K/V
-and gate/up are fused into one matmul each, and q and k are rotated in one call.
+Weights are plain tensors (matrices wrapped in `Matmul`), not nn.Modules: a decode step at batch 1 is
+bound by reading the weights, and per-module Python overhead is what separates a naive implementation from
+the bandwidth roofline. Q/K/V and gate/up are fused into one matmul each, and q and k are rotated in one
+call with position tables looked up once per forward.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class Matmul:
 
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 @dataclass
@@ -109,11 +112,12 @@ class LlamaForCausalLM:
         eps = c.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         T = h.shape[0]
+        cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.attn_norm, eps)
             qkv = layer.qkv(x)  # [T, q_size + 2 * kv_size]
-            qk = self.rope(qkv[:, :c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim),
-                           positions)
+            qk = qkv[:, :c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = self.rope.rotate(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, c.q_size + c.kv_size:].view(T, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_cache.layer(i)

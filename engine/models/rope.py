@@ -31,18 +31,25 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
 
 
 class RotaryEmbedding:
+    """`lookup` once per forward, then `rotate` q and k of every layer with what it returned."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype, device: torch.device) -> None:
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
         self.half = head_dim // 2
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        # NOTE: HF rotates as x * cos + cat(-x2, x1) * sin. We compute roll(x) * sin_signed, i.e.
+        # cat(x2, x1) * cat(-sin1, sin2): the same products, bit for bit, in 4 ops per layer instead of 7.
+        sin = emb.sin()
+        sin[:, :self.half] *= -1
+        self.sin_signed = sin.to(dtype=dtype, device=device)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (q and k heads stacked is fine); positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x[..., :self.half], x[..., self.half:]
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) of each position, each [T, 1, head_dim]."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] (q and k heads stacked is fine), rotated by `lookup`'s tables."""
+        return x * cos + x.roll(self.half, dims=-1) * sin_signed
