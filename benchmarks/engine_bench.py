@@ -4,6 +4,8 @@
     python -m benchmarks.engine_bench --quick    # a smoke run with small sizes (under a minute)
     python -m benchmarks.engine_bench --json     # one JSON object on stdout instead of the table
 
+--quick prefills 128 and 512 tokens only, so its `prefill_2048_vs_hf` is null.
+
 Both sides run SmolLM2-135M in float32 from the same weights (transformers loads the HF directory that
 `engine.hub.ensure_smollm2()` writes) with the same torch thread count, which `torch.set_num_threads` sets
 for the whole process. Progress lines go to stderr.
