@@ -73,6 +73,23 @@ class BenchPeer:
         """CPU seconds this process has used, all threads (the fair measure on a shared machine)."""
         return time.process_time()
 
+    def thread_cpu(self) -> dict[str, float]:
+        """CPU seconds per thread of this process, by Python thread name (native threads by their comm)."""
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out: dict[str, float] = {}
+        tick = os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            name = names.get(int(tid), comm).split("<-")[0].split("->")[0]
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
+
     def endpoint(self) -> Any:
         t = self.transport
         return t.address if isinstance(t, KVReceiver) else t.endpoint_id

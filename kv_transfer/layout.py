@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from engine.kv_cache import KVCacheSpec
@@ -132,7 +133,22 @@ def pack_layers(cache: torch.Tensor, first: int, count: int, block_ids: torch.Te
 def scatter_layers(cache: torch.Tensor, first: int, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
     """Write packed layers ([count, 2, n, block_size, num_kv_heads, head_dim]) from layer `first` on into
     `block_ids` of `cache`."""
-    cache[first:first + packed.shape[0]].index_copy_(2, block_ids, packed)
+    dest = cache[first:first + packed.shape[0]]
+    if dest.device.type != "cpu":
+        dest.index_copy_(2, block_ids, packed)
+        return
+    # NOTE: on CPU, torch's index_copy_ moves element by element (11.7 ms for a 2,048-token SmolLM2 request,
+    # 94 MB); numpy's fancy assignment over rows of whole blocks moves each block with one memcpy (4.6 ms),
+    # and releases the GIL while it does. Byte rows, so every dtype (bf16 and fp8 too) takes the same path.
+    planes, blocks = dest.shape[0] * dest.shape[1], dest.shape[2]
+    rows = (np.arange(planes)[:, None] * blocks + block_ids.numpy()[None, :]).reshape(-1)
+    _block_rows(dest)[rows] = _block_rows(packed)
+
+
+def _block_rows(t: torch.Tensor) -> np.ndarray:
+    """A contiguous [..., blocks, block_size, heads, head_dim] CPU tensor as uint8 rows, one per block."""
+    assert t.is_contiguous(), "block rows need a contiguous tensor"
+    return t.reshape(-1).view(torch.uint8).numpy().reshape(-1, t[0, 0, 0].numel() * t.element_size())
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

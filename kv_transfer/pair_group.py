@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store, Work
 
 from kv_transfer.wire import LinkError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroupNCCL  # only in CUDA builds of torch
+
 SENDER_RANK, RECEIVER_RANK = 0, 1
-# sender -> receiver headers, receiver -> sender replies, sender -> receiver payloads. NOTE: payloads on their
-# own tag let the receiver post the next header's receive before it has read the current payload.
-TAG_HEADER, TAG_REPLY, TAG_PAYLOAD = 0, 1, 2
+# sender -> receiver messages, receiver -> sender replies, sender -> receiver payloads too large for a message.
+# NOTE: large payloads on their own tag let the receiver keep the next messages' receives posted meanwhile.
+TAG_MSG, TAG_REPLY, TAG_PAYLOAD = 0, 1, 2
 
 
 def _short(e: BaseException) -> str:
@@ -59,30 +63,38 @@ class PairGroup:
     def isend(self, t: torch.Tensor, tag: int) -> PendingOp:
         """Post a gloo send of a contiguous CPU tensor (kept alive until the op is waited for)."""
         try:
-            return PendingOp(self, self.gloo.send([t], self.peer, tag), t, cuda=False)
+            return PendingOp(self, self._gloo().send([t], self.peer, tag), t, cuda=False)
         except RuntimeError as e:
             raise LinkError(_short(e)) from e
 
     def irecv(self, t: torch.Tensor, tag: int) -> PendingOp:
         """Post a gloo receive into a contiguous CPU tensor of exactly the sent size."""
         try:
-            return PendingOp(self, self.gloo.recv([t], self.peer, tag), t, cuda=False)
+            return PendingOp(self, self._gloo().recv([t], self.peer, tag), t, cuda=False)
         except RuntimeError as e:
             raise LinkError(_short(e)) from e
 
     def isend_nccl(self, t: torch.Tensor) -> PendingOp:
-        assert self.nccl is not None
         try:
-            return PendingOp(self, self.nccl.send([t], self.peer, 0), t, cuda=True)
+            return PendingOp(self, self._nccl().send([t], self.peer, 0), t, cuda=True)
         except RuntimeError as e:
             raise LinkError(_short(e)) from e
 
     def irecv_nccl(self, t: torch.Tensor) -> PendingOp:
-        assert self.nccl is not None
         try:
-            return PendingOp(self, self.nccl.recv([t], self.peer, 0), t, cuda=True)
+            return PendingOp(self, self._nccl().recv([t], self.peer, 0), t, cuda=True)
         except RuntimeError as e:
             raise LinkError(_short(e)) from e
+
+    def _gloo(self) -> ProcessGroupGloo:
+        if self.gloo is None:  # closed by the other thread of the link
+            raise LinkError("the link is closed")
+        return self.gloo
+
+    def _nccl(self) -> ProcessGroupNCCL:
+        if self.nccl is None:
+            raise LinkError("the link is closed" if self.gloo is None else "this link has no NCCL group")
+        return self.nccl
 
     def close(self) -> None:
         """Drop the groups; the peer's pending ops fail at once (closed connection)."""

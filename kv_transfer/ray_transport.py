@@ -61,6 +61,7 @@ def _as_tensor(array: Any) -> torch.Tensor:
 class RaySendLink(SendLink):
     def __init__(self, sender_id: str, dst: PeerAddress, config: KVTransferConfig) -> None:
         self.payload_device = torch.device("cpu")
+        self.max_message_bytes = 64 << 20  # the object store favours few, large objects
         self._sender_id = sender_id
         self._link_id = uuid.uuid4().hex
         self._dst = dst

@@ -35,7 +35,6 @@ from kv_transfer.wire import Header, LinkError, MsgKind, SendLink, bytes_tensor
 
 log = logging.getLogger(__name__)
 
-_MAX_MESSAGE_BYTES = 64 << 20  # layers coalesced into one message stay under this (unless one layer is larger)
 
 
 class _Op(enum.Enum):
@@ -258,7 +257,7 @@ class LayerwiseSender(BookKeeper, KVSender):
             elif item.op is _Op.ABORT:
                 self._send_abort(link, item)
             elif item.op is _Op.LAYER:
-                self._send_layers(link, self._coalesce(w, item))
+                self._send_layers(link, self._coalesce(w, item, link.max_message_bytes))
 
     def _next_item(self, w: _LinkWorker, timeout: float | None) -> _Item | None:
         """The next item in order (the backlog holds items taken out but not yet sent); None on timeout."""
@@ -269,7 +268,7 @@ class LayerwiseSender(BookKeeper, KVSender):
         except queue.Empty:
             return None
 
-    def _coalesce(self, w: _LinkWorker, first: _Item) -> list[_Item]:
+    def _coalesce(self, w: _LinkWorker, first: _Item, max_bytes: int) -> list[_Item]:
         """`first` and the consecutive layers of its transfer already waiting behind it.
 
         NOTE: when the link falls behind the model, the layers that piled up go out as one message (fewer,
@@ -277,7 +276,7 @@ class LayerwiseSender(BookKeeper, KVSender):
         layer still leaves alone, the moment it is offered. Nothing ever waits for more layers."""
         assert first.state is not None and first.state.descriptor is not None
         batch = [first]
-        limit = max(1, _MAX_MESSAGE_BYTES // first.state.descriptor.layer_nbytes)
+        limit = max(1, max_bytes // first.state.descriptor.layer_nbytes)
         while len(batch) < limit:
             nxt = self._next_item(w, None)
             if nxt is None:

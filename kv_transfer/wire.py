@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER_LEN = 5  # int64s: version, kind, seq, layer, nbytes
 
 
@@ -70,6 +70,9 @@ class SendLink(ABC):
 
     # where layer payloads must be for `send`: "cpu", or the cache's CUDA device when the link is NCCL
     payload_device: torch.device
+    # the largest payload this link sends best as one message; consecutive ready layers are coalesced up to
+    # it (a single layer may exceed it)
+    max_message_bytes: int
 
     @abstractmethod
     def staging(self, nbytes: int) -> torch.Tensor:
