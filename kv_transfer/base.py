@@ -79,7 +79,11 @@ class KVSender(ABC):
               dst_block_ids: Sequence[int], deadline: float) -> None:
         """Start a transfer of every layer of `src_block_ids` into the receiver's `dst_block_ids` (same
         length, position by position; leave out blocks the receiver already holds). `deadline` is a
-        `time.monotonic()` instant of this process: unfinished by then, the transfer fails."""
+        `time.monotonic()` instant of this process: layers not all sent by then, the transfer fails.
+
+        The receiver decides whether the KV landed: once every layer is out, the sender waits for its
+        verdict (ACK or NACK) even past the deadline, for as long as the link is alive (at most the
+        config's `liveness_s + op_timeout_s` more), so both sides agree unless the link breaks in between."""
 
     @abstractmethod
     def send_layer(self, request_id: str, layer: int) -> None:

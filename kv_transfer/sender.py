@@ -53,6 +53,7 @@ class _SendState(TransferState):
     seq: int = -1
     layers_requested: set[int] = field(default_factory=set)
     layers_sent: int = 0
+    awaiting_verdict: bool = False  # every layer was out at the deadline: the receiver's ACK/NACK decides
 
 
 class _Item(NamedTuple):
@@ -184,8 +185,17 @@ class LayerwiseSender(BookKeeper, KVSender):
 
     def _on_expire(self, state: _SendState) -> None:
         total = self.cache.spec.num_layers
+        if state.layers_sent == total and not state.awaiting_verdict:
+            # NOTE: everything is out: whether it landed in time is the receiver's call (a layer arriving
+            # after its deadline never lands there). Wait for its ACK or NACK while the link lives, so the
+            # two sides do not disagree over an ACK that was merely slow to come back.
+            state.awaiting_verdict = True
+            state.deadline = time.monotonic() + self.config.liveness_s + self.config.op_timeout_s
+            return
+        what = ("no verdict from the receiver" if state.awaiting_verdict
+                else f"{state.layers_sent}/{total} layers sent")
         self._fail_locked(state, f"transfer {state.request_id!r} to {state.peer_id!r}: deadline passed with "
-                                 f"{state.layers_sent}/{total} layers sent", tell_peer=True)
+                                 f"{what}", tell_peer=True)
 
     def _link_for_locked(self, dst: PeerAddress) -> _LinkWorker:
         key = (dst.endpoint_id, dst.incarnation)
