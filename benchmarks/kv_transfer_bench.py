@@ -7,6 +7,10 @@ serving; "block-wise" numbers include that packing. All layers are offered at on
 numbers are transport throughput; `--compute-ms` adds a simulated per-layer compute to show how much of the
 transfer is left after the last layer (the overlap layer-wise push buys).
 
+Also timed side by side: the bare copy pipeline (the same gather, send, receive and scatter, a few layers
+per message, with receives posted ahead and no protocol at all). It is the ceiling for any design that
+packs scattered blocks on this machine; `blockwise_vs_copy_pipeline` says how close the transport comes.
+
 Time is CLOCK_MONOTONIC, shared by processes on one node: start = the sender's clock before `begin`
 (or the raw send), end = the receiver's clock when the last layer has landed.
 
@@ -19,6 +23,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -43,8 +48,20 @@ from kv_transfer import (  # noqa: E402
     create_receiver,
     create_sender,
 )
+from kv_transfer.layout import pack_layers, scatter_layers  # noqa: E402
 
 HOST = "127.0.0.1"  # both processes on this node
+_PIPE_DEPTH = 4  # messages in flight in the copy-pipeline baseline (the transport's window and slots)
+_PIPE_MESSAGE_BYTES = 4 << 20  # its message size: the transport's receive slot
+
+
+def _layer_shape(nblocks: int) -> tuple[int, ...]:
+    return (2, nblocks, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+
+
+def _pipe_layers(nblocks: int) -> int:
+    """Layers per copy-pipeline message: as many as fit the transport's message size (at least one)."""
+    return max(1, _PIPE_MESSAGE_BYTES // (nblocks * SPEC.bytes_per_block // SPEC.num_layers))
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, 16-token blocks, fp32
 SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
 
@@ -114,6 +131,57 @@ class BenchPeer:
     def raw_recv_start(self, tag: str, nbytes: int) -> None:
         def recv() -> tuple[bool, str | None]:
             self.raw.recv([self.buf[:nbytes]], 0, 0).wait()
+            return True, None
+
+        self._watch(tag, recv)
+
+    # ---- the copy pipeline alone: the ceiling for any gather -> send -> receive -> scatter design ----
+
+    def pipe_send(self, src_ids: list[int]) -> float:
+        """Gather the blocks of a few layers at a time (up to the transport's message size) into a ring
+        buffer and send it on the raw group while the next ones are gathered (a poster thread sends, as
+        the transport's link does); no headers, no protocol."""
+        src, window = torch.tensor(src_ids), threading.Semaphore(_PIPE_DEPTH)
+        per = _pipe_layers(len(src_ids))
+        ring = [torch.empty((per, *_layer_shape(len(src_ids))), dtype=SPEC.dtype) for _ in range(_PIPE_DEPTH + 1)]
+        out: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()
+
+        def post() -> None:
+            while (buf := out.get()) is not None:
+                self.raw.send([buf.view(-1).view(torch.uint8)], 1, 1).wait()
+                window.release()
+
+        poster = threading.Thread(target=post)
+        t0 = time.monotonic()
+        poster.start()
+        for i, first in enumerate(range(0, SPEC.num_layers, per)):
+            window.acquire()
+            count = min(per, SPEC.num_layers - first)
+            buf = ring[i % len(ring)][:count]
+            pack_layers(self.cache.tensor, first, count, src, out=buf)
+            out.put(buf)
+        out.put(None)
+        poster.join()
+        return t0
+
+    def pipe_recv_start(self, tag: str, dst_ids: list[int]) -> None:
+        """Keep receives posted ahead (as the transport's link does); scatter each message as it lands."""
+        dst, per = torch.tensor(dst_ids), _pipe_layers(len(dst_ids))
+        firsts = list(range(0, SPEC.num_layers, per))
+
+        def post(first: int, slot: torch.Tensor) -> tuple[Any, torch.Tensor, int]:
+            view = slot[:min(per, SPEC.num_layers - first)]
+            return self.raw.recv([view.view(-1).view(torch.uint8)], 0, 1), view, first
+
+        def recv() -> tuple[bool, str | None]:
+            slots = [torch.empty((per, *_layer_shape(len(dst_ids))), dtype=SPEC.dtype) for _ in range(_PIPE_DEPTH)]
+            posted = [post(first, slot) for first, slot in zip(firsts, slots, strict=False)]
+            for i in range(len(firsts)):
+                work, view, first = posted.pop(0)
+                work.wait()
+                scatter_layers(self.cache.tensor, first, dst, view)
+                if i + _PIPE_DEPTH < len(firsts):
+                    posted.append(post(firsts[i + _PIPE_DEPTH], slots[i % _PIPE_DEPTH]))
             return True, None
 
         self._watch(tag, recv)
@@ -258,6 +326,15 @@ def time_raw(tx: Any, rx: Any, nbytes: int, reps: int) -> list[float]:
     return out
 
 
+def time_pipe(tx: Any, rx: Any, nblocks: int, num_blocks: int, seed: int) -> float:
+    """One transfer through the bare copy pipeline, with the same scattered ids as `time_transfers`."""
+    src_ids, dst_ids = scattered(nblocks, num_blocks, seed), scattered(nblocks, num_blocks, 1000 + seed)
+    tag = f"pipe-{nblocks}-{seed}"
+    rx.call("pipe_recv_start", tag, dst_ids)
+    t0 = tx.call("pipe_send", src_ids)
+    return rx.call("result", tag) - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048], help="request lengths")
@@ -289,23 +366,28 @@ def main() -> None:
         nbytes = n * bytes_per_block
         time_raw(tx, rx, nbytes, args.warmup)
         time_transfers(tx, rx, n, num_blocks, args.warmup, "warm")
-        raws, blockwises, raw_cpu, bw_cpu = [], [], [], []
-        for i in range(args.reps):  # NOTE: alternating, so both see the same load on a shared machine
+        time_pipe(tx, rx, n, num_blocks, 0)
+        raws, blockwises, pipes, raw_cpu, bw_cpu = [], [], [], [], []
+        for i in range(args.reps):  # NOTE: alternating, so all three see the same load on a shared machine
             raws += time_raw(tx, rx, nbytes, 1)
             raw_cpu += CPU
             blockwises += time_transfers(tx, rx, n, num_blocks, 1, f"bw{i}")[0]
             bw_cpu += CPU
-        raw, blockwise = statistics.median(raws), statistics.median(blockwises)
+            pipes.append(time_pipe(tx, rx, n, num_blocks, i))
+        raw, blockwise, pipe = statistics.median(raws), statistics.median(blockwises), statistics.median(pipes)
         sizes[str(tokens)] = dict(tokens=tokens, blocks=n, bytes=nbytes, raw_ms=1e3 * raw,
                                   blockwise_ms=1e3 * blockwise, raw_gbps=nbytes / raw / 1e9,
                                   blockwise_gbps=nbytes / blockwise / 1e9, blockwise_vs_raw=raw / blockwise,
                                   best_raw_ms=1e3 * min(raws), best_blockwise_ms=1e3 * min(blockwises),
                                   raw_cpu_ms=1e3 * statistics.median(raw_cpu),
-                                  blockwise_cpu_ms=1e3 * statistics.median(bw_cpu))
+                                  blockwise_cpu_ms=1e3 * statistics.median(bw_cpu),
+                                  copy_pipeline_ms=1e3 * pipe, copy_pipeline_vs_raw=raw / pipe,
+                                  blockwise_vs_copy_pipeline=pipe / blockwise)
         log(f"{tokens:5d} tokens, {nbytes / 1e6:6.1f} MB: raw {1e3 * raw:7.2f} ms ({nbytes / raw / 1e9:.2f} GB/s, "
             f"{1e3 * statistics.median(raw_cpu):.1f} ms CPU), block-wise layer-wise {1e3 * blockwise:7.2f} ms "
             f"({nbytes / blockwise / 1e9:.2f} GB/s, {1e3 * statistics.median(bw_cpu):.1f} ms CPU), "
-            f"ratio {raw / blockwise:.2f} (best runs: {min(raws) / min(blockwises):.2f})")
+            f"ratio {raw / blockwise:.2f} (best runs: {min(raws) / min(blockwises):.2f}); bare copy pipeline "
+            f"{1e3 * pipe:.2f} ms, {raw / pipe:.2f} of raw")
 
     # per-transfer overhead: one block (30 layer messages of one block each) against raw of the same bytes
     raws, smalls = [], []
@@ -362,6 +444,10 @@ def main() -> None:
         "model": "SmolLM2-135M", "num_layers": SPEC.num_layers, "num_kv_heads": SPEC.num_kv_heads,
         "head_dim": SPEC.head_dim, "block_size": SPEC.block_size, "dtype": "float32", "reps": args.reps,
         "blockwise_vs_raw": min(s["blockwise_vs_raw"] for s in sizes.values()),
+        # the same gather -> send -> receive -> scatter copies with no protocol: what any design that packs
+        # scattered blocks can reach on this machine, and how close the transport comes to it
+        "copy_pipeline_vs_raw": min(s["copy_pipeline_vs_raw"] for s in sizes.values()),
+        "blockwise_vs_copy_pipeline": min(s["blockwise_vs_copy_pipeline"] for s in sizes.values()),
         "ray_vs_raw": min((s["ray_vs_raw"] for s in sizes.values() if "ray_vs_raw" in s), default=None),
         "gbps": {kind: {k: s.get(f"{kind}_gbps") for k, s in sizes.items()} for kind in ("raw", "blockwise", "ray")},
         "per_transfer_overhead_ms": {
