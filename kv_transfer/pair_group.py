@@ -11,6 +11,7 @@ pending op), which the peer sees as a closed connection: a timed-out op means a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -59,6 +60,7 @@ class PairGroup:
                 self.nccl = ProcessGroupNCCL(PrefixStore(f"{prefix}/nccl", store), rank, 2, nccl_options)
         except RuntimeError as e:
             raise LinkError(f"cannot form the pair group {prefix}: {_short(e)}") from e
+        self._store, self._prefix = store, prefix
 
     def isend(self, t: torch.Tensor, tag: int) -> PendingOp:
         """Post a gloo send of a contiguous CPU tensor (kept alive until the op is waited for)."""
@@ -98,6 +100,13 @@ class PairGroup:
 
     def close(self) -> None:
         """Drop the groups; the peer's pending ops fail at once (closed connection)."""
+        # NOTE: gloo's rendezvous leaves one address key per rank (`<prefix>/gloo/0/<rank>`); dropped with
+        # the link, so the router's store holds keys of live links only, not of every link ever made.
+        # Not sooner: deleting them once the group existed broke links still forming (gloo reads them
+        # later than its constructor). If gloo renames them, this is a no-op.
+        for rank in (SENDER_RANK, RECEIVER_RANK):
+            with contextlib.suppress(RuntimeError):
+                self._store.delete_key(f"{self._prefix}/gloo/0/{rank}")
         if self.nccl is not None:
             self.nccl.abort()
         self.nccl = None

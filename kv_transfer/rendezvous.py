@@ -30,6 +30,10 @@ class RendezvousServer:
     def port(self) -> int:
         return self._store.port
 
+    def num_keys(self) -> int:
+        """Keys in the store: accept queues of live receivers, and links still being formed."""
+        return self._store.num_keys()
+
     def close(self) -> None:
         del self._store
 

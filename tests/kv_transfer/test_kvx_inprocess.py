@@ -16,7 +16,7 @@ from kvx_harness import HOST, make_config
 
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import KVReceiver, KVSender, TransferStatus, create_receiver, create_sender
+from kv_transfer import KVReceiver, KVSender, RendezvousServer, TransferStatus, create_receiver, create_sender
 
 SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
 NUM_BLOCKS = 64
@@ -219,8 +219,10 @@ def test_a_receiver_that_never_shows_up_fails_the_transfer_by_its_deadline(pair)
     for layer in range(SPEC.num_layers):
         pair.sender.send_layer("g", layer)
     tx = pair.sender.wait("g", 5)
-    assert not tx.ok and "deadline passed" in tx.error
-    assert time.monotonic() - t0 < 1.2
+    # torch: no link ever forms, the layers never leave; ray: they do leave (into an inbox nobody reads),
+    # so the sender waits for a verdict until the silent link breaks
+    assert not tx.ok and ("deadline passed" in tx.error or "silent" in tx.error), tx.error
+    assert time.monotonic() - t0 < 0.6 + make_config("torch", 1).liveness_s + 0.6
 
 
 def test_each_layer_lands_before_the_next_is_offered(pair):
@@ -235,3 +237,22 @@ def test_each_layer_lands_before_the_next_is_offered(pair):
             assert not rx_layer(layer + 1).any(), "a layer landed before it was offered"
             assert pair.receiver.poll("lw") == TransferStatus.TRANSFERRING
     assert pair.receiver.wait("lw", 10).ok and pair.sender.wait("lw", 10).ok
+
+
+def test_links_leave_no_keys_in_the_rendezvous_store():
+    """A link's rendezvous keys go with the link, so the router's store does not grow with links made."""
+    server = RendezvousServer(HOST)  # its own store: other tests' links would be counted too
+    try:
+        p = make_pair("torch", server.port)
+        for i in range(2):
+            src, dst = start(p, f"k{i}", 3)
+            for layer in range(SPEC.num_layers):
+                p.sender.send_layer(f"k{i}", layer)
+            assert p.receiver.wait(f"k{i}", 10).ok and p.sender.wait(f"k{i}", 10).ok
+            assert landed(p, src, dst)
+            assert server.num_keys() <= 2  # the live link's two rendezvous keys, at most
+        p.sender.close()
+        p.receiver.close()
+        assert server.num_keys() == 0
+    finally:
+        server.close()
