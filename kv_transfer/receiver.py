@@ -3,8 +3,9 @@
 A transport reads messages off its links and hands each to `handle`; the core matches BEGIN to a transfer
 the decode worker announced with `expect` (checking the layout and the block ids against its own cache),
 scatters each LAYER message (one layer, or a few consecutive ones) straight into the reserved,
-non-contiguous destination blocks, and finishes the transfer when every layer has landed. Replies (PONG, ACK, NACK) are queued per link and sent by the link's
-own thread (`take_replies`), so only that thread ever writes to a link.
+non-contiguous destination blocks, and finishes the transfer when every layer has landed. Replies (PONG,
+ACK, NACK) are queued per link and sent by the link's own thread (`take_replies`), so only that thread
+ever writes to a link.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 `begin` registers a transfer and queues its descriptor; `send_layer` (called by the model right after a
 layer's KV is written) queues that layer and returns. Per receiver, one link thread connects, then drains
-the queue in order: it packs each layer's source blocks into one buffer (`index_select`) and sends it, so
-the transfer runs while the model computes the next layers (consecutive layers that are already waiting
-go out together, see `_coalesce`); a second thread reads the receiver's replies (ACK finishes a transfer,
-NACK fails it). Many transfers share the link, told apart by their `seq`.
+the queue in order: it packs each layer's source blocks into one buffer (`index_select`) and hands it to
+the link, so the transfer runs while the model computes the next layers (consecutive layers that are
+already waiting go out together, up to the link's message size, see `_coalesce`); a second thread reads
+the receiver's replies (ACK finishes a transfer, NACK fails it). Many transfers share the link, told
+apart by their `seq`. The receiver decides whether a transfer landed: see `_on_expire`.
 
 A transport subclass only says how to open a link (`_connect`); everything about transfers lives here.
 """

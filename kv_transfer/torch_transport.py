@@ -3,9 +3,13 @@
 Sender side: the first `begin` towards a receiver opens a link (see `rendezvous`), which then carries every
 later transfer to that receiver until it breaks; a broken link fails its transfers and the next `begin`
 opens a fresh one. Receiver side: a listener thread pops link requests off the receiver's accept queue and
-serves each link on its own thread: read a header (waiting at most `liveness_s`; the sender pings), read
-its payload, hand both to the core, send the replies the core queued. If the store goes away, existing
-links carry on and the listener retries with backoff.
+serves each link on its own thread: take the next message (waiting at most `liveness_s`; the sender
+pings), hand it to the core, send the replies the core queued. If the store goes away, existing links
+carry on and the listener retries with backoff.
+
+Framing: every message is one gloo message on TAG_MSG, a frame (the header and where the payload is) and,
+when it fits the receiver's slots (`_SLOT_BYTES`), the payload right behind it; a larger payload follows
+on TAG_PAYLOAD (or on NCCL). See `TorchRecvLink` for why.
 
 What a worker needs: the rendezvous store's address (in the config), its own endpoint id, and its node IP
 (`host`), which gloo binds to and advertises to the peer.

@@ -1,6 +1,7 @@
 """Messages between one sender and one receiver, and the two ends of the link that carries them.
 
-Every message is a small fixed header, then `nbytes` of payload when `nbytes > 0`. Many transfers share one
+Every message is a small fixed header, then `nbytes` of payload when `nbytes > 0` (how the two travel is
+the transport's business: the torch link frames both into one gloo message when it can). Many transfers share one
 link: the sender numbers each transfer on the link (`seq`) and the header says which transfer a message
 belongs to, so the receiver dispatches without any per-transfer channel.
 
