@@ -8,8 +8,9 @@ numbers are transport throughput; `--compute-ms` adds a simulated per-layer comp
 transfer is left after the last layer (the overlap layer-wise push buys).
 
 Also timed side by side: the bare copy pipeline (the same gather, send, receive and scatter, a few layers
-per message, with receives posted ahead and no protocol at all). It is the ceiling for any design that
-packs scattered blocks on this machine; `blockwise_vs_copy_pipeline` says how close the transport comes.
+per message, with receives posted ahead and no protocol at all): what any design that packs scattered
+blocks costs on this machine, so `blockwise_vs_copy_pipeline` is what the transport's protocol costs (or
+saves: its poster overlaps the copies a little better).
 
 Time is CLOCK_MONOTONIC, shared by processes on one node: start = the sender's clock before `begin`
 (or the raw send), end = the receiver's clock when the last layer has landed.
@@ -53,6 +54,8 @@ from kv_transfer.layout import pack_layers, scatter_layers  # noqa: E402
 HOST = "127.0.0.1"  # both processes on this node
 _PIPE_DEPTH = 4  # messages in flight in the copy-pipeline baseline (the transport's window and slots)
 _PIPE_MESSAGE_BYTES = 4 << 20  # its message size: the transport's receive slot
+# SmolLM2-135M: 30 layers, 3 KV heads of 64, 16-token blocks, fp32
+SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
 
 
 def _layer_shape(nblocks: int) -> tuple[int, ...]:
@@ -62,8 +65,6 @@ def _layer_shape(nblocks: int) -> tuple[int, ...]:
 def _pipe_layers(nblocks: int) -> int:
     """Layers per copy-pipeline message: as many as fit the transport's message size (at least one)."""
     return max(1, _PIPE_MESSAGE_BYTES // (nblocks * SPEC.bytes_per_block // SPEC.num_layers))
-# SmolLM2-135M: 30 layers, 3 KV heads of 64, 16-token blocks, fp32
-SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
 
 
 def log(msg: str) -> None:
@@ -89,23 +90,6 @@ class BenchPeer:
     def cpu(self) -> float:
         """CPU seconds this process has used, all threads (the fair measure on a shared machine)."""
         return time.process_time()
-
-    def thread_cpu(self) -> dict[str, float]:
-        """CPU seconds per thread of this process, by Python thread name (native threads by their comm)."""
-        names = {t.native_id: t.name for t in threading.enumerate()}
-        out: dict[str, float] = {}
-        tick = os.sysconf("SC_CLK_TCK")
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            comm = stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2:].split()
-            name = names.get(int(tid), comm).split("<-")[0].split("->")[0]
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-        return out
 
     def endpoint(self) -> Any:
         t = self.transport
@@ -135,7 +119,7 @@ class BenchPeer:
 
         self._watch(tag, recv)
 
-    # ---- the copy pipeline alone: the ceiling for any gather -> send -> receive -> scatter design ----
+    # ---- the copy pipeline alone: the same gather -> send -> receive -> scatter, no protocol ----
 
     def pipe_send(self, src_ids: list[int]) -> float:
         """Gather the blocks of a few layers at a time (up to the transport's message size) into a ring

@@ -28,6 +28,7 @@ SENDER_RANK, RECEIVER_RANK = 0, 1
 # sender -> receiver messages, receiver -> sender replies, sender -> receiver payloads too large for a message.
 # NOTE: large payloads on their own tag let the receiver keep the next messages' receives posted meanwhile.
 TAG_MSG, TAG_REPLY, TAG_PAYLOAD = 0, 1, 2
+_CLEANUP_TIMEOUT_S = 1.0  # longest a closing link waits on the store to delete its keys
 
 
 def _short(e: BaseException) -> str:
@@ -49,9 +50,11 @@ class PairGroup:
         options = ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout_s)
         options._devices = [ProcessGroupGloo.create_device(hostname=host)]  # bind to this node's address
+        self._store, self._prefix = store, prefix
+        self.gloo: ProcessGroupGloo | None = None
+        self.nccl: ProcessGroupNCCL | None = None
         try:
             self.gloo = ProcessGroupGloo(PrefixStore(f"{prefix}/gloo", store), rank, 2, options)
-            self.nccl = None
             if nccl_device is not None:
                 from torch.distributed import ProcessGroupNCCL
 
@@ -59,8 +62,8 @@ class PairGroup:
                 nccl_options._timeout = timedelta(seconds=timeout_s)
                 self.nccl = ProcessGroupNCCL(PrefixStore(f"{prefix}/nccl", store), rank, 2, nccl_options)
         except RuntimeError as e:
+            self.close()  # what formed, and this side's rendezvous key
             raise LinkError(f"cannot form the pair group {prefix}: {_short(e)}") from e
-        self._store, self._prefix = store, prefix
 
     def isend(self, t: torch.Tensor, tag: int) -> PendingOp:
         """Post a gloo send of a contiguous CPU tensor (kept alive until the op is waited for)."""
@@ -99,18 +102,19 @@ class PairGroup:
         return self.nccl
 
     def close(self) -> None:
-        """Drop the groups; the peer's pending ops fail at once (closed connection)."""
+        """Drop the groups (the peer's pending ops fail at once: closed connection), then the link's keys."""
+        nccl, self.nccl, self.gloo = self.nccl, None, None
+        if nccl is not None:
+            nccl.abort()
         # NOTE: gloo's rendezvous leaves one address key per rank (`<prefix>/gloo/0/<rank>`); dropped with
         # the link, so the router's store holds keys of live links only, not of every link ever made.
         # Not sooner: deleting them once the group existed broke links still forming (gloo reads them
-        # later than its constructor). If gloo renames them, this is a no-op.
-        for rank in (SENDER_RANK, RECEIVER_RANK):
-            with contextlib.suppress(RuntimeError):
+        # later than its constructor). If gloo renames them, this is a no-op. NCCL's unique-id key is left
+        # (its name is NCCL's business, and no GPU here to check it): one small key per NCCL link.
+        with contextlib.suppress(RuntimeError):
+            self._store.set_timeout(timedelta(seconds=_CLEANUP_TIMEOUT_S))  # an unreachable router: move on
+            for rank in (SENDER_RANK, RECEIVER_RANK):
                 self._store.delete_key(f"{self._prefix}/gloo/0/{rank}")
-        if self.nccl is not None:
-            self.nccl.abort()
-        self.nccl = None
-        self.gloo = None
 
 
 class PendingOp:
@@ -130,8 +134,9 @@ class PendingOp:
             deadline, pause = time.monotonic() + timeout_s, 1e-5
             while not self._work.is_completed():
                 if time.monotonic() > deadline:
-                    if self._group.nccl is not None:
-                        self._group.nccl.abort()
+                    nccl = self._group.nccl  # once: another thread may close the group meanwhile
+                    if nccl is not None:
+                        nccl.abort()
                     raise LinkError(f"NCCL transfer unfinished after {timeout_s:.3g}s")
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)

@@ -85,8 +85,11 @@ class RaySendLink(SendLink):
         if len(self._outbox) >= _BATCH:
             self.flush()
 
+    def idle(self) -> None:
+        self.flush()
+
     def flush(self) -> None:
-        """One inbox call for everything sent since the last flush (the sender flushes before idling)."""
+        """One inbox call for everything sent since the last flush."""
         if not self._outbox:
             return
         items, self._outbox = self._outbox, []

@@ -31,7 +31,8 @@ class RendezvousServer:
         return self._store.port
 
     def num_keys(self) -> int:
-        """Keys in the store: accept queues of live receivers, and links still being formed."""
+        """Plain keys in the store: the rendezvous keys of live links (two per gloo link). Queues are not
+        counted (TCPStore keeps them apart)."""
         return self._store.num_keys()
 
     def close(self) -> None:

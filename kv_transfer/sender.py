@@ -37,7 +37,6 @@ from kv_transfer.wire import Header, LinkError, MsgKind, SendLink, bytes_tensor
 log = logging.getLogger(__name__)
 
 
-
 class _Op(enum.Enum):
     BEGIN = enum.auto()
     LAYER = enum.auto()
@@ -167,8 +166,9 @@ class LayerwiseSender(BookKeeper, KVSender):
         for link in links:
             # NOTE: a link still connecting cannot be interrupted (it waits in the store); it ends by
             # itself within connect_timeout_s, with nothing left to fail.
+            # (BYE out, replies thread and link closed: each bounded by the config, see TorchSendLink)
             if link.thread is not None and link.connected:
-                link.thread.join(timeout=self.config.op_timeout_s + self.config.liveness_s)
+                link.thread.join(timeout=4 * self.config.op_timeout_s + self.config.liveness_s)
         self._book.close()
 
     # ---- state changes (caller holds self._lock) ----
@@ -193,7 +193,8 @@ class LayerwiseSender(BookKeeper, KVSender):
             state.awaiting_verdict = True
             state.deadline = time.monotonic() + self.config.liveness_s + self.config.op_timeout_s
             return
-        what = ("no verdict from the receiver" if state.awaiting_verdict
+        what = (f"all {total} layers sent but no verdict from the receiver "
+                f"{self.config.liveness_s + self.config.op_timeout_s:.3g}s later" if state.awaiting_verdict
                 else f"{state.layers_sent}/{total} layers sent")
         self._fail_locked(state, f"transfer {state.request_id!r} to {state.peer_id!r}: deadline passed with "
                                  f"{what}", tell_peer=True)
@@ -253,7 +254,7 @@ class LayerwiseSender(BookKeeper, KVSender):
                 link.send(Header(MsgKind.PING), None)
                 next_ping = now + self.config.keepalive_s
             if not w.backlog and w.queue.empty():
-                link.flush()  # going idle: make sure what was sent is out (and surface errors now)
+                link.idle()  # going idle: let batched messages go (and surface a broken link now)
             item = self._next_item(w, max(0.0, next_ping - time.monotonic()))
             if item is None:
                 continue
@@ -328,12 +329,17 @@ class LayerwiseSender(BookKeeper, KVSender):
             if state.status.is_finished:
                 return  # failed meanwhile: its blocks are the worker's again, do not read them
             self._pack(state, batch[0].layer, [item.event for item in batch], payload)
-        link.send(Header(MsgKind.LAYER, state.seq, batch[0].layer, payload.numel()), payload)
+        # NOTE: counted as sent before `send`, which may wait for the link's window: a deadline passing
+        # meanwhile must find every layer out (and leave the verdict to the receiver), since this message
+        # goes out regardless.
         with self._lock:
+            if state.status.is_finished:
+                return
             state.layers_sent += len(batch)
             with state.io_lock:
                 if state.status == TransferStatus.PENDING:
                     state.status = TransferStatus.TRANSFERRING
+        link.send(Header(MsgKind.LAYER, state.seq, batch[0].layer, payload.numel()), payload)
 
     def _pack(self, state: _SendState, first: int, events: list[torch.cuda.Event | None], out: torch.Tensor) -> None:
         """Gather layers [first, first + len(events)) of the transfer's blocks into `out` (flat uint8, on the

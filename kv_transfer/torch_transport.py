@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
 import logging
 import queue
 import threading
@@ -59,15 +60,31 @@ log = logging.getLogger(__name__)
 
 _LISTEN_TIMEOUT_S = 3600.0  # a listener's blocking pop; close() wakes it with a sentinel instead
 _CLOSE = "close"
-_WINDOW = 4  # messages a sending link keeps in flight before it waits for the oldest
-# Every message starts with a frame: its header, then where its payload is. A receiving link keeps
-# _RECV_SLOTS receives of _SLOT_BYTES posted; a message that fits one travels as one gloo message.
+_WINDOW = 4  # messages a sending link holds (handed over, not yet out) before `send` waits
+# Framing (part of the wire protocol: change it, bump wire.PROTOCOL_VERSION). A message with a payload
+# starts with a frame, its header and where its payload is (`_Where`); a header-only message is the bare
+# header, which a peer of another protocol version rejects cleanly. A receiving link keeps _RECV_SLOTS
+# receives of _SLOT_BYTES posted (16 MiB per link); a message that fits one travels as one gloo message.
 _SLOT_BYTES = 4 << 20
 _RECV_SLOTS = 4
 _FRAME_BYTES = 8 * (HEADER_LEN + 1)
-_INLINE, _SEPARATE, _NCCL = 0, 1, 2  # the payload follows the frame in the message / on TAG_PAYLOAD / on NCCL
 _MAX_NCCL_MESSAGE = 64 << 20  # layers coalesced into one NCCL message stay under this
-_VIA_NCCL = -1  # a message part's "tag" when NCCL carries it
+
+
+class _Where(enum.IntEnum):
+    """Where a message's payload travels."""
+
+    INLINE = 0  # right behind the frame, in the same gloo message
+    SEPARATE = 1  # as a second gloo message on TAG_PAYLOAD (too large for a slot)
+    NCCL = 2  # on the pair's NCCL group (CUDA layers between two GPUs)
+
+
+class _Part(NamedTuple):
+    """One piece of a message for the poster: a tensor and the channel that carries it."""
+
+    tensor: torch.Tensor
+    tag: int  # the gloo tag; ignored for NCCL
+    nccl: bool = False
 
 
 def _close_at_exit(endpoint: TorchKVSender | TorchKVReceiver) -> None:
@@ -98,8 +115,8 @@ class _Staging:
         return self.buf[:nbytes]
 
 
-def _frame(header: Header, where: int) -> torch.Tensor:
-    return torch.cat([header.to_tensor(), torch.tensor([where], dtype=torch.int64)])
+def _frame(header: Header, where: _Where) -> torch.Tensor:
+    return torch.cat([header.to_tensor(), torch.tensor([int(where)], dtype=torch.int64)])
 
 
 class TorchSendLink(SendLink):
@@ -113,7 +130,7 @@ class TorchSendLink(SendLink):
     of a 2,048-token SmolLM2 transfer here).
     """
 
-    def __init__(self, group: PairGroup, config: KVTransferConfig) -> None:
+    def __init__(self, group: PairGroup, config: KVTransferConfig, name: str) -> None:
         self._group = group
         self._config = config
         self.payload_device = group.nccl_device or torch.device("cpu")
@@ -125,35 +142,38 @@ class TorchSendLink(SendLink):
         self._ring = [_Staging(self.payload_device) for _ in range(_WINDOW + 1)]
         self._turn = 0
         self._staged: torch.Tensor | None = None  # the whole message buffer behind the last `staging` view
-        self._outbox: queue.SimpleQueue[list[tuple[torch.Tensor, int]] | None] = queue.SimpleQueue()
+        self._staged_payload: torch.Tensor | None = None  # that view, as handed out
+        self._outbox: queue.SimpleQueue[list[_Part] | None] = queue.SimpleQueue()
         self._progress = threading.Condition()
         self._unfinished = 0  # messages handed to the poster and not yet out
         self._error: LinkError | None = None  # why the poster stopped
-        self._poster = threading.Thread(target=self._post_loop, daemon=True, name="kv-post")
+        self._closing = False
+        self._poster = threading.Thread(target=self._post_loop, daemon=True, name=f"kv-post-{name}")
         self._poster.start()
 
     def staging(self, nbytes: int) -> torch.Tensor:
         self._turn = (self._turn + 1) % len(self._ring)
         if self.payload_device.type == "cuda":
-            self._staged = None
+            self._staged = self._staged_payload = None
             return self._ring[self._turn].take(nbytes)
         # room for the frame in front, so the layer goes out as it was packed, in one message
         self._staged = self._ring[self._turn].take(_FRAME_BYTES + nbytes)
-        return self._staged[_FRAME_BYTES:]
+        self._staged_payload = self._staged[_FRAME_BYTES:]
+        return self._staged_payload
 
     def send(self, header: Header, payload: torch.Tensor | None) -> None:
         nbytes = 0 if payload is None else payload.numel()
         assert nbytes == header.nbytes, f"header says {header.nbytes} bytes, payload has {nbytes}"
         if payload is None or not nbytes:
-            parts = [(_frame(header, _INLINE), TAG_MSG)]
+            parts = [_Part(header.to_tensor(), TAG_MSG)]
         elif payload.device.type == "cuda":
-            parts = [(_frame(header, _NCCL), TAG_MSG), (payload, _VIA_NCCL)]
+            parts = [_Part(_frame(header, _Where.NCCL), TAG_MSG), _Part(payload, 0, nccl=True)]
         elif _FRAME_BYTES + nbytes <= _SLOT_BYTES:
             message = self._framed(payload)
-            message[:_FRAME_BYTES].view(torch.int64).copy_(_frame(header, _INLINE))
-            parts = [(message, TAG_MSG)]
+            message[:_FRAME_BYTES].view(torch.int64).copy_(_frame(header, _Where.INLINE))
+            parts = [_Part(message, TAG_MSG)]
         else:
-            parts = [(_frame(header, _SEPARATE), TAG_MSG), (payload, TAG_PAYLOAD)]
+            parts = [_Part(_frame(header, _Where.SEPARATE), TAG_MSG), _Part(payload, TAG_PAYLOAD)]
         with self._progress:
             self._wait_locked(lambda: self._unfinished < _WINDOW)
             self._unfinished += 1
@@ -163,24 +183,35 @@ class TorchSendLink(SendLink):
         with self._progress:
             self._wait_locked(lambda: self._unfinished == 0)
 
+    def idle(self) -> None:
+        # NOTE: the poster sends everything handed to it unprompted; waiting here would only delay the
+        # next layer's pack behind the last one's write
+        with self._progress:
+            self._raise_if_failed_locked()
+
     def _wait_locked(self, ready: Callable[[], bool]) -> None:
-        # NOTE: the poster finishes or fails each message within op_timeout_s, so this is bounded too
-        limit = self._config.op_timeout_s * (_WINDOW + 1)
+        # NOTE: the poster finishes or fails each message within 2 * op_timeout_s, so this is bounded too
+        limit = 2 * self._config.op_timeout_s * (_WINDOW + 1)
         if not self._progress.wait_for(lambda: self._error is not None or ready(), limit):
             raise LinkError(f"messages to the receiver not out after {limit:.3g}s")
+        self._raise_if_failed_locked()
+
+    def _raise_if_failed_locked(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise LinkError(str(self._error)) from self._error
 
     def _post_loop(self) -> None:
-        while (parts := self._outbox.get()) is not None:
+        while (parts := self._outbox.get()) is not None and not self._closing:
             try:
-                ops = [self._group.isend_nccl(t) if tag == _VIA_NCCL else self._group.isend(t, tag)
-                       for t, tag in parts]
+                ops = [self._group.isend_nccl(p.tensor) if p.nccl else self._group.isend(p.tensor, p.tag)
+                       for p in parts]
                 for op in ops:
                     op.wait(self._config.op_timeout_s)
-            except LinkError as e:
+            except Exception as e:  # LinkError, or a bug: either way the link is done, and says why
+                if not isinstance(e, LinkError):
+                    log.exception("KV send link: posting a message failed")
                 with self._progress:
-                    self._error = e
+                    self._error = e if isinstance(e, LinkError) else LinkError(f"internal error: {e!r}")
                     self._progress.notify_all()
                 return
             with self._progress:
@@ -189,10 +220,8 @@ class TorchSendLink(SendLink):
 
     def _framed(self, payload: torch.Tensor) -> torch.Tensor:
         """`payload` with the frame's room in front: the staging buffer it was packed into, or a copy."""
-        staged = self._staged
-        if (staged is not None and payload.data_ptr() == staged.data_ptr() + _FRAME_BYTES
-                and payload.numel() + _FRAME_BYTES == staged.numel()):
-            return staged
+        if payload is self._staged_payload and self._staged is not None:
+            return self._staged
         message = torch.empty(_FRAME_BYTES + payload.numel(), dtype=torch.uint8)
         message[_FRAME_BYTES:].copy_(payload)
         return message
@@ -210,8 +239,11 @@ class TorchSendLink(SendLink):
         return header, payload.numpy().tobytes()
 
     def close(self) -> None:
+        # NOTE: what is still queued is dropped; a message being posted ends within 2 * op_timeout_s, so
+        # the poster is never left blocked in gloo when the process exits
+        self._closing = True
         self._outbox.put(None)
-        self._poster.join(timeout=self._config.op_timeout_s)  # never left blocked in gloo at exit
+        self._poster.join(timeout=2 * self._config.op_timeout_s)
         self._group.close()
 
 
@@ -253,19 +285,24 @@ class TorchRecvLink(RecvLink):
         slot = op.tensor
         frame = slot[:_FRAME_BYTES].view(torch.int64)
         header = Header.from_tensor(frame[:HEADER_LEN])
-        where = int(frame[HEADER_LEN])
-        if header.nbytes and where == _INLINE:
+        if not header.nbytes:  # a bare header
+            self._post(slot)
+            return _Incoming(header)
+        try:
+            where = _Where(int(frame[HEADER_LEN]))
+        except ValueError:
+            raise LinkError(f"sender {self.peer_id!r} framed a payload as {int(frame[HEADER_LEN])}, which is "
+                            f"none of {[w.name for w in _Where]}") from None
+        if where is _Where.INLINE:
             if _FRAME_BYTES + header.nbytes > _SLOT_BYTES:
                 raise LinkError(f"sender {self.peer_id!r} sent {header.nbytes} bytes inline; a slot holds "
                                 f"{_SLOT_BYTES - _FRAME_BYTES}")
             return _Incoming(header, inline=slot[_FRAME_BYTES:_FRAME_BYTES + header.nbytes], slot=slot)
         self._post(slot)  # the frame is all it held
-        if not header.nbytes:
-            return _Incoming(header)
-        if where == _NCCL and self._big_gpu is not None:
+        if where is _Where.NCCL:
+            if self._big_gpu is None:
+                raise LinkError(f"sender {self.peer_id!r} sent a payload over NCCL on a link without NCCL")
             return _Incoming(header, payload=self._group.irecv_nccl(self._big_gpu.take(header.nbytes)))
-        if where != _SEPARATE:
-            raise LinkError(f"sender {self.peer_id!r} framed a payload as {where}, which this link cannot take")
         return _Incoming(header, payload=self._group.irecv(self._big_cpu.take(header.nbytes), TAG_PAYLOAD))
 
     def read_payload(self, incoming: _Incoming) -> torch.Tensor:
@@ -317,7 +354,7 @@ class TorchKVSender(LayerwiseSender):
         nccl = self.cache.device if use_nccl(self._device, dst.device) else None
         group = PairGroup(store, link_prefix(cfg.namespace, request.link_id), SENDER_RANK, self.host,
                           cfg.connect_timeout_s, nccl)
-        return TorchSendLink(group, cfg)
+        return TorchSendLink(group, cfg, f"{self.endpoint_id}->{dst.endpoint_id}")
 
 
 class TorchKVReceiver(LayerwiseReceiver):
@@ -421,16 +458,17 @@ class TorchKVReceiver(LayerwiseReceiver):
 
     def _handle(self, link: TorchRecvLink, incoming: _Incoming) -> None:
         """One message through the core, then its buffer back to the link and the core's replies out."""
-        unread = [incoming.header.nbytes > 0]
+        unread = incoming.header.nbytes > 0
 
         def read_once() -> torch.Tensor:
-            assert unread[0], "a payload is read at most once"
-            unread[0] = False
+            nonlocal unread
+            assert unread, "a payload is read at most once"
+            unread = False
             return link.read_payload(incoming)
 
         if incoming.header.kind != MsgKind.BYE:
             self.handle(link, incoming.header, read_once)
-        if unread[0]:
+        if unread:
             link.read_payload(incoming)  # dropped, but gloo must be done writing into the buffer
         link.release(incoming)
         for reply, payload in self.take_replies(link):

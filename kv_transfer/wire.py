@@ -83,12 +83,17 @@ class SendLink(ABC):
     @abstractmethod
     def send(self, header: Header, payload: torch.Tensor | None) -> None:
         """Send a header and its payload (flat uint8 of `header.nbytes`; the link keeps it alive until it is
-        out). Blocks at most `op_timeout_s` per message; LinkError when the link is broken."""
+        out). May return before the message is out, and blocks while the link has too many unfinished
+        (boundedly: a few `op_timeout_s`); LinkError when the link is broken."""
+
+    @abstractmethod
+    def idle(self) -> None:
+        """The sender has nothing more to send for now: make sure what `send` got goes out without further
+        calls (a link may batch messages), without waiting for it; LinkError when the link is broken."""
 
     @abstractmethod
     def flush(self) -> None:
-        """Wait until every message given to `send` is out (a link may keep a few in flight); LinkError as
-        `send`. Called before the link goes idle."""
+        """Wait until every message given to `send` is out; LinkError as `send`. Called before closing."""
 
     @abstractmethod
     def recv_reply(self) -> tuple[Header, bytes]:

@@ -222,8 +222,9 @@ def test_paused_then_killed_receiver_fails_the_sender_within_the_deadline(cluste
     try:
         a.call("push", key, [Job("paused", dst, ids)], 1.5)
         out_tx = a.call("outcome", key, "paused", 30.0)
-        # every layer was out: the sender waits up to liveness_s past its deadline for the (paused) receiver
-        assert not out_tx.ok and out_tx.elapsed_s < 1.5 + cluster.config.liveness_s + SLACK_S, out_tx
+        # every layer was out: the sender waits past its deadline for the (paused) receiver's verdict
+        cfg = cluster.config
+        assert not out_tx.ok and out_tx.elapsed_s < 1.5 + cfg.liveness_s + cfg.op_timeout_s + SLACK_S, out_tx
     finally:
         os.kill(pid, signal.SIGCONT)
     out_rx = victim.call("outcome", key, "paused", 30.0)  # its own deadline passed while it was paused
@@ -243,7 +244,8 @@ def test_a_verdict_slow_to_come_back_still_lands_on_both_sides(cluster):
     it: the receiver, whose own deadline is far, decides, so both sides report DONE (not FAILED/DONE)."""
     b = cluster.victim("b")  # paused and resumed, not killed
     a, spec, key = cluster.peers["a"], SPECS["fp32-L3-bs16"], cluster.key("slow-ack")
-    config = dataclasses.replace(cluster.config, liveness_s=6.0)  # the pause must not break the link
+    # the pause must not break the link: no reply for liveness_s, or a message not taken for op_timeout_s
+    config = dataclasses.replace(cluster.config, liveness_s=6.0, op_timeout_s=6.0)
     dst = b.call("open_receiver", key, spec, NUM_BLOCKS, config)
     src = a.call("open_sender", key, spec, NUM_BLOCKS, config)
     ids = b.call("reserve", key, "warm", 2, 0, src, 30.0)  # a working link first
