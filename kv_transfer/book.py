@@ -118,10 +118,12 @@ class TransferBook(Generic[S]):
             while not self._closed:
                 now = time.monotonic()
                 for state in [s for s in self._active.values() if s.deadline <= now]:
-                    self._on_expire(state)
-                    if not state.status.is_finished and state.deadline <= now:  # a bug; never spin on it
-                        log.error("%s: on_expire left %r unfinished at its deadline", self._name,
-                                  state.request_id)
+                    try:
+                        self._on_expire(state)
+                    except Exception:  # a bug: the watchdog must live on, or no deadline fires again
+                        log.exception("%s: on_expire failed for %r", self._name, state.request_id)
+                    if not state.status.is_finished and state.deadline <= now:  # never spin on it
+                        log.error("%s: %r still unfinished at its deadline", self._name, state.request_id)
                         self.finish_locked(state, f"transfer {state.request_id!r}: deadline passed")
                 next_deadline = min((s.deadline for s in self._active.values()), default=None)
                 self.lock.wait(None if next_deadline is None else max(0.0, next_deadline - time.monotonic()))

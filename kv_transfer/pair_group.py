@@ -12,6 +12,7 @@ pending op), which the peer sees as a closed connection: a timed-out op means a 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -28,7 +29,6 @@ SENDER_RANK, RECEIVER_RANK = 0, 1
 # sender -> receiver messages, receiver -> sender replies, sender -> receiver payloads too large for a message.
 # NOTE: large payloads on their own tag let the receiver keep the next messages' receives posted meanwhile.
 TAG_MSG, TAG_REPLY, TAG_PAYLOAD = 0, 1, 2
-_CLEANUP_TIMEOUT_S = 1.0  # longest a closing link waits on the store to delete its keys
 
 
 def _short(e: BaseException) -> str:
@@ -61,8 +61,9 @@ class PairGroup:
                 nccl_options = ProcessGroupNCCL.Options()
                 nccl_options._timeout = timedelta(seconds=timeout_s)
                 self.nccl = ProcessGroupNCCL(PrefixStore(f"{prefix}/nccl", store), rank, 2, nccl_options)
-        except RuntimeError as e:
-            self.close()  # what formed, and this side's rendezvous key
+        except Exception as e:  # RuntimeError from gloo/NCCL, or anything else: drop what formed
+            self.close()
+            self.forget_rendezvous()
             raise LinkError(f"cannot form the pair group {prefix}: {_short(e)}") from e
 
     def isend(self, t: torch.Tensor, tag: int) -> PendingOp:
@@ -101,20 +102,32 @@ class PairGroup:
             raise LinkError("the link is closed" if self.gloo is None else "this link has no NCCL group")
         return self.nccl
 
+    def forget_rendezvous(self) -> None:
+        """Delete the link's rendezvous keys from the store, in the background.
+
+        NOTE: gloo's rendezvous leaves one address key per rank (`<prefix>/gloo/0/<rank>`); without this
+        the router's store would keep two keys for every link ever made. Call it once both sides are known
+        to have formed the group (the receiver does, on the link's first message): deleting them as soon
+        as the own group existed broke links still forming (gloo reads them later than its constructor).
+        In a thread of its own because a store call ignores timeouts when the router hangs. If gloo renames
+        the keys this is a no-op; NCCL's unique-id key is left (its name is NCCL's business, and there was
+        no GPU to check it on): one small key per NCCL link.
+        """
+        store, keys = self._store, [f"{self._prefix}/gloo/0/{rank}" for rank in (SENDER_RANK, RECEIVER_RANK)]
+
+        def forget() -> None:
+            for key in keys:
+                with contextlib.suppress(RuntimeError):
+                    store.delete_key(key)
+
+        threading.Thread(target=forget, daemon=True, name="kv-rendezvous-cleanup").start()
+
     def close(self) -> None:
-        """Drop the groups (the peer's pending ops fail at once: closed connection), then the link's keys."""
+        """Drop the groups. The peer's pending ops fail at once (closed connection), provided the link
+        dropped its own pending ops first: a posted receive keeps the connection open."""
         nccl, self.nccl, self.gloo = self.nccl, None, None
         if nccl is not None:
             nccl.abort()
-        # NOTE: gloo's rendezvous leaves one address key per rank (`<prefix>/gloo/0/<rank>`); dropped with
-        # the link, so the router's store holds keys of live links only, not of every link ever made.
-        # Not sooner: deleting them once the group existed broke links still forming (gloo reads them
-        # later than its constructor). If gloo renames them, this is a no-op. NCCL's unique-id key is left
-        # (its name is NCCL's business, and no GPU here to check it): one small key per NCCL link.
-        with contextlib.suppress(RuntimeError):
-            self._store.set_timeout(timedelta(seconds=_CLEANUP_TIMEOUT_S))  # an unreachable router: move on
-            for rank in (SENDER_RANK, RECEIVER_RANK):
-                self._store.delete_key(f"{self._prefix}/gloo/0/{rank}")
 
 
 class PendingOp:

@@ -92,6 +92,7 @@ class LayerwiseSender(BookKeeper, KVSender):
         self._book: TransferBook[_SendState] = TransferBook(f"kv-send-{endpoint_id}", self._on_expire)
         self._lock = self._book.lock
         self._links: dict[tuple[str, str], _LinkWorker] = {}  # (endpoint_id, incarnation) -> link
+        self._workers: list[_LinkWorker] = []  # every link whose thread may still run, broken ones too
         self._closed = False
         # NOTE: packing runs on its own stream so it overlaps the next layers' compute; it waits for the
         # layer's compute through the event `send_layer` records.
@@ -159,16 +160,19 @@ class LayerwiseSender(BookKeeper, KVSender):
             self._closed = True
             for state in self._book.active_locked():
                 self._fail_locked(state, f"transfer {state.request_id!r}: sender closed", tell_peer=True)
-            links = list(self._links.values())
-            self._links.clear()
-            for link in links:
+            for link in self._links.values():
                 link.queue.put(_Item(_Op.STOP))
-        for link in links:
-            # NOTE: a link still connecting cannot be interrupted (it waits in the store); it ends by
-            # itself within connect_timeout_s, with nothing left to fail.
-            # (BYE out, replies thread and link closed: each bounded by the config, see TorchSendLink)
-            if link.thread is not None and link.connected:
-                link.thread.join(timeout=4 * self.config.op_timeout_s + self.config.liveness_s)
+            self._links.clear()
+            workers = [w for w in self._workers if w.thread is not None and w.thread.is_alive()]
+        # NOTE: every link thread still running is joined, broken links' too (they may be tearing down):
+        # one left inside gloo when the interpreter exits aborts the process. A link still connecting
+        # cannot be interrupted (it waits in the store); it ends by itself within connect_timeout_s, with
+        # nothing left to fail. The timeout is a generous bound on an orderly close, not a hard one.
+        deadline = time.monotonic() + 4 * self.config.op_timeout_s + self.config.liveness_s
+        for w in workers:
+            if w.connected or w.dead:
+                assert w.thread is not None
+                w.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._book.close()
 
     # ---- state changes (caller holds self._lock) ----
@@ -208,6 +212,7 @@ class LayerwiseSender(BookKeeper, KVSender):
             link.thread = threading.Thread(target=self._run_link, args=(link,), daemon=True,
                                            name=f"kv-send-{self.endpoint_id}->{dst.endpoint_id}")
             link.thread.start()
+            self._workers = [w for w in self._workers if w.thread is not None and w.thread.is_alive()] + [link]
         return link
 
     def _link_failed(self, w: _LinkWorker, reason: str) -> None:
@@ -331,7 +336,8 @@ class LayerwiseSender(BookKeeper, KVSender):
             self._pack(state, batch[0].layer, [item.event for item in batch], payload)
         # NOTE: counted as sent before `send`, which may wait for the link's window: a deadline passing
         # meanwhile must find every layer out (and leave the verdict to the receiver), since this message
-        # goes out regardless.
+        # goes out regardless. An explicit abort (or close) can still land in that wait, and the receiver
+        # may then hold every layer and report DONE: whoever aborts tears down both sides (the router does).
         with self._lock:
             if state.status.is_finished:
                 return
@@ -369,7 +375,8 @@ class LayerwiseSender(BookKeeper, KVSender):
                 if header.kind == MsgKind.PONG:
                     continue
                 if header.kind == MsgKind.BYE:
-                    raise LinkError("the receiver closed the link")
+                    raise LinkError(f"the receiver closed the link: {payload.decode(errors='replace')}"
+                                    if payload else "the receiver closed the link")
                 if header.kind not in (MsgKind.ACK, MsgKind.NACK):
                     raise LinkError(f"unexpected {header.kind.name} from the receiver")
                 with self._lock:

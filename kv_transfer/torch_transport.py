@@ -244,6 +244,7 @@ class TorchSendLink(SendLink):
         self._closing = True
         self._outbox.put(None)
         self._poster.join(timeout=2 * self._config.op_timeout_s)
+        self._next_reply = None  # (a pending receive would keep the connection open)
         self._group.close()
 
 
@@ -319,13 +320,14 @@ class TorchRecvLink(RecvLink):
             self._post(incoming.slot)
 
     def send_reply(self, header: Header, payload: bytes) -> None:
-        ops = [self._group.isend(header.to_tensor(), TAG_REPLY)]
+        ops = [self._group.isend(header._replace(nbytes=len(payload)).to_tensor(), TAG_REPLY)]
         if payload:
             ops.append(self._group.isend(bytes_tensor(payload), TAG_REPLY))
         for op in ops:
             op.wait(self._config.op_timeout_s)
 
     def close(self) -> None:
+        self._posted.clear()  # (a pending receive would keep the connection open)
         self._group.close()
 
     def _post(self, slot: torch.Tensor) -> None:
@@ -438,18 +440,25 @@ class TorchKVReceiver(LayerwiseReceiver):
             group.close()
             log.warning("KV receiver %s: link from %s broke at once: %s", self.endpoint_id, request.sender, e)
             return
+        first, orderly = True, False
         try:
             while True:
                 incoming = link.recv()
+                if first:  # both sides have formed the group: its rendezvous keys have served
+                    group.forget_rendezvous()
+                    first = False
                 self._handle(link, incoming)
-                if incoming.header.kind == MsgKind.BYE:
+                if incoming.header.kind == MsgKind.BYE or self._closed:
+                    orderly = True
                     link.send_reply(Header(MsgKind.BYE), b"")
-                    raise LinkError("the sender closed the link")
-                if self._closed:
-                    link.send_reply(Header(MsgKind.BYE), b"")
-                    raise LinkError("the receiver closed")
+                    raise LinkError("the sender closed the link" if incoming.header.kind == MsgKind.BYE
+                                    else "the receiver closed")
         except LinkError as e:
             self.link_failed(link, str(e))
+            if not orderly:  # e.g. a sender speaking another protocol: say why, on both sides
+                log.warning("KV receiver %s: link from %s broke: %s", self.endpoint_id, request.sender, e)
+                with contextlib.suppress(LinkError):
+                    link.send_reply(Header(MsgKind.BYE), f"receiver {self.endpoint_id!r}: {e}".encode())
         except Exception as e:  # a bug or an allocation failure must not leave transfers waiting
             log.exception("KV receiver %s: link from %s failed", self.endpoint_id, request.sender)
             self.link_failed(link, f"internal error: {e!r}")

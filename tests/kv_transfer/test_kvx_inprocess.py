@@ -286,3 +286,42 @@ def test_layers_larger_than_a_receive_slot_travel_as_their_own_message(rendezvou
     finally:
         p.sender.close()
         p.receiver.close()
+
+
+def test_a_sender_of_another_wire_protocol_is_told_why_and_nothing_crashes(rendezvous):
+    """A sender of another protocol version (a rolling upgrade) opens a link and pings: the receiver
+    answers BYE naming the version mismatch, and keeps serving senders of its own version."""
+    from kv_transfer.pair_group import RECEIVER_RANK, SENDER_RANK, TAG_MSG, TAG_REPLY, PairGroup
+    from kv_transfer.rendezvous import LinkRequest, accept_queue_key, connect_store, link_prefix
+    from kv_transfer.wire import HEADER_LEN, PROTOCOL_VERSION, MsgKind
+
+    p = make_pair("torch", rendezvous.port)
+    try:
+        cfg = make_config("torch", rendezvous.port)
+        store = connect_store(HOST, rendezvous.port, cfg.connect_timeout_s)
+        address = p.receiver.address
+        request = LinkRequest("time-traveller", "old-link-1", "cpu")
+        store.queue_push(accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation),
+                         request.to_json())
+        group = PairGroup(store, link_prefix(cfg.namespace, request.link_id), SENDER_RANK, HOST,
+                          cfg.connect_timeout_s, None)
+        assert group.peer == RECEIVER_RANK
+        ping = torch.tensor([PROTOCOL_VERSION + 1, int(MsgKind.PING), 0, 0, 0], dtype=torch.int64)
+        group.isend(ping, TAG_MSG).wait(cfg.op_timeout_s)
+        reply = group.irecv(torch.empty(HEADER_LEN, dtype=torch.int64), TAG_REPLY)
+        reply.wait(cfg.op_timeout_s)
+        version, kind, _, _, nbytes = reply.tensor.tolist()
+        assert (version, kind) == (PROTOCOL_VERSION, int(MsgKind.BYE)) and nbytes > 0
+        reason = group.irecv(torch.empty(nbytes, dtype=torch.uint8), TAG_REPLY)
+        reason.wait(cfg.op_timeout_s)
+        assert f"protocol {PROTOCOL_VERSION + 1}" in reason.tensor.numpy().tobytes().decode()
+        group.close()
+
+        src, dst = start(p, "after", 2)  # the receiver still serves its own kind
+        for layer in range(SPEC.num_layers):
+            p.sender.send_layer("after", layer)
+        assert p.receiver.wait("after", 10).ok and p.sender.wait("after", 10).ok
+        assert landed(p, src, dst)
+    finally:
+        p.sender.close()
+        p.receiver.close()
