@@ -74,12 +74,15 @@ def log(msg: str) -> None:
 class BenchPeer:
     """One side of the benchmark, in its own process (spawned) or a Ray actor."""
 
-    def __init__(self, role: str, config: KVTransferConfig, num_blocks: int) -> None:
+    def __init__(self, role: str, config: KVTransferConfig, num_blocks: int, device: str = "cpu") -> None:
         torch.set_num_threads(1)
         self.role = role
-        self.cache = KVCache(SPEC, num_blocks)
-        self.cache.tensor.view(torch.uint8).copy_(torch.randint(0, 256, self.cache.tensor.view(torch.uint8).shape,
-                                                                dtype=torch.uint8))
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.cache = KVCache(SPEC, num_blocks, device)
+        raw = self.cache.tensor.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=self.device))
         make = create_sender if role == "sender" else create_receiver
         self.transport: KVSender | KVReceiver = make(config, f"bench-{role}-{os.getpid()}", self.cache, HOST)
         self.raw: Any = None
@@ -95,29 +98,44 @@ class BenchPeer:
         t = self.transport
         return t.address if isinstance(t, KVReceiver) else t.endpoint_id
 
-    # ---- raw gloo baseline ----
+    # ---- raw baseline: one contiguous tensor over the transport's own backend ----
 
-    def raw_connect(self, port: int, max_bytes: int) -> None:
+    def raw_connect(self, port: int, max_bytes: int, nccl: bool) -> None:
+        """gloo between CPU buffers; NCCL between the two GPUs' memory when the transport uses NCCL."""
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
-        store = TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60))
+        store = PrefixStore("bench/raw", TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60)))
+        rank = 0 if self.role == "sender" else 1
+        if nccl:
+            from torch.distributed import ProcessGroupNCCL
+
+            self.raw = ProcessGroupNCCL(store, rank, 2, ProcessGroupNCCL.Options())
+            self.buf = torch.ones(max_bytes, dtype=torch.uint8, device=self.device)
+            return
         opts = ProcessGroupGloo._Options()
         opts._timeout = timedelta(seconds=60)
         opts._devices = [ProcessGroupGloo.create_device(hostname=HOST)]
-        self.raw = ProcessGroupGloo(PrefixStore("bench/raw", store), 0 if self.role == "sender" else 1, 2, opts)
+        self.raw = ProcessGroupGloo(store, rank, 2, opts)
         self.buf = torch.ones(max_bytes, dtype=torch.uint8)  # touched: no page faults inside the timing
 
     def raw_send(self, nbytes: int) -> float:
         t0 = time.monotonic()
         self.raw.send([self.buf[:nbytes]], 1, 0).wait()
+        self._sync()
         return t0
 
     def raw_recv_start(self, tag: str, nbytes: int) -> None:
         def recv() -> tuple[bool, str | None]:
             self.raw.recv([self.buf[:nbytes]], 0, 0).wait()
+            self._sync()
             return True, None
 
         self._watch(tag, recv)
+
+    def _sync(self) -> None:
+        """NCCL's `wait` only orders the current stream: finished means finished on the GPU too."""
+        if self.buf.is_cuda:
+            torch.cuda.synchronize(self.buf.device)
 
     # ---- the copy pipeline alone: the same gather -> send -> receive -> scatter, no protocol ----
 
@@ -220,8 +238,8 @@ class BenchPeer:
         threading.Thread(target=run, daemon=True).start()
 
 
-def _serve(conn: Any, role: str, config: KVTransferConfig, num_blocks: int) -> None:
-    peer = BenchPeer(role, config, num_blocks)
+def _serve(conn: Any, role: str, config: KVTransferConfig, num_blocks: int, device: str) -> None:
+    peer = BenchPeer(role, config, num_blocks, device)
     conn.send((True, None))
     while True:
         method, args = conn.recv()
@@ -234,9 +252,9 @@ def _serve(conn: Any, role: str, config: KVTransferConfig, num_blocks: int) -> N
 
 
 class ProcPeer:
-    def __init__(self, role: str, config: KVTransferConfig, num_blocks: int) -> None:
+    def __init__(self, role: str, config: KVTransferConfig, num_blocks: int, device: str = "cpu") -> None:
         self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_serve, args=(child, role, config, num_blocks),
+        self.proc = mp.get_context("spawn").Process(target=_serve, args=(child, role, config, num_blocks, device),
                                                     daemon=True)
         self.proc.start()
         self._get()
@@ -326,8 +344,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compute-ms", type=float, default=2.0, help="simulated compute per layer for the overlap run")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray object-store path")
+    ap.add_argument("--devices", nargs=2, default=["cpu", "cpu"], metavar=("SENDER", "RECEIVER"),
+                    help="where the two caches live, e.g. cuda:0 cuda:1 (NCCL between them, and for the raw "
+                         "baseline; the bare copy pipeline and the Ray path run on CPU caches only)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = ap.parse_args()
+    for dev in args.devices:
+        if dev != "cpu" and not (dev.startswith("cuda") and torch.cuda.is_available()
+                                 and torch.device(dev).index in (None, *range(torch.cuda.device_count()))):
+            ap.error(f"--devices: {dev!r} is not a device here (cpu, or cuda:N with "
+                     f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} GPUs)")
 
     max_blocks = max(-(-t // SPEC.block_size) for t in args.tokens)
     num_blocks = 2 * max_blocks + 8
@@ -335,9 +361,14 @@ def main() -> None:
     server = RendezvousServer(HOST)
     raw_server = RendezvousServer(HOST)
     cfg = KVTransferConfig(rendezvous_host=HOST, rendezvous_port=server.port, op_timeout_s=30.0)
-    log(f"spawning sender and receiver processes ({num_blocks} blocks of {bytes_per_block / 2**20:.2f} MiB)")
-    tx, rx = ProcPeer("sender", cfg, num_blocks), ProcPeer("receiver", cfg, num_blocks)
-    threads = [threading.Thread(target=p.call, args=("raw_connect", raw_server.port, max_blocks * bytes_per_block))
+    tx_dev, rx_dev = args.devices
+    on_cpu = tx_dev == rx_dev == "cpu"
+    nccl = tx_dev.startswith("cuda") and rx_dev.startswith("cuda") and tx_dev != rx_dev
+    log(f"spawning sender ({tx_dev}) and receiver ({rx_dev}) processes ({num_blocks} blocks of "
+        f"{bytes_per_block / 2**20:.2f} MiB; transport and raw baseline over {'NCCL' if nccl else 'gloo'})")
+    tx, rx = ProcPeer("sender", cfg, num_blocks, tx_dev), ProcPeer("receiver", cfg, num_blocks, rx_dev)
+    threads = [threading.Thread(target=p.call, args=("raw_connect", raw_server.port, max_blocks * bytes_per_block,
+                                                     nccl))
                for p in (tx, rx)]
     for t in threads:
         t.start()
@@ -350,28 +381,34 @@ def main() -> None:
         nbytes = n * bytes_per_block
         time_raw(tx, rx, nbytes, args.warmup)
         time_transfers(tx, rx, n, num_blocks, args.warmup, "warm")
-        time_pipe(tx, rx, n, num_blocks, 0)
+        if on_cpu:
+            time_pipe(tx, rx, n, num_blocks, 0)
         raws, blockwises, pipes, raw_cpu, bw_cpu = [], [], [], [], []
         for i in range(args.reps):  # NOTE: alternating, so all three see the same load on a shared machine
             raws += time_raw(tx, rx, nbytes, 1)
             raw_cpu += CPU
             blockwises += time_transfers(tx, rx, n, num_blocks, 1, f"bw{i}")[0]
             bw_cpu += CPU
-            pipes.append(time_pipe(tx, rx, n, num_blocks, i))
-        raw, blockwise, pipe = statistics.median(raws), statistics.median(blockwises), statistics.median(pipes)
+            if on_cpu:
+                pipes.append(time_pipe(tx, rx, n, num_blocks, i))
+        raw, blockwise = statistics.median(raws), statistics.median(blockwises)
         sizes[str(tokens)] = dict(tokens=tokens, blocks=n, bytes=nbytes, raw_ms=1e3 * raw,
                                   blockwise_ms=1e3 * blockwise, raw_gbps=nbytes / raw / 1e9,
                                   blockwise_gbps=nbytes / blockwise / 1e9, blockwise_vs_raw=raw / blockwise,
                                   best_raw_ms=1e3 * min(raws), best_blockwise_ms=1e3 * min(blockwises),
                                   raw_cpu_ms=1e3 * statistics.median(raw_cpu),
-                                  blockwise_cpu_ms=1e3 * statistics.median(bw_cpu),
-                                  copy_pipeline_ms=1e3 * pipe, copy_pipeline_vs_raw=raw / pipe,
-                                  blockwise_vs_copy_pipeline=pipe / blockwise)
-        log(f"{tokens:5d} tokens, {nbytes / 1e6:6.1f} MB: raw {1e3 * raw:7.2f} ms ({nbytes / raw / 1e9:.2f} GB/s, "
-            f"{1e3 * statistics.median(raw_cpu):.1f} ms CPU), block-wise layer-wise {1e3 * blockwise:7.2f} ms "
-            f"({nbytes / blockwise / 1e9:.2f} GB/s, {1e3 * statistics.median(bw_cpu):.1f} ms CPU), "
-            f"ratio {raw / blockwise:.2f} (best runs: {min(raws) / min(blockwises):.2f}); bare copy pipeline "
-            f"{1e3 * pipe:.2f} ms, {raw / pipe:.2f} of raw")
+                                  blockwise_cpu_ms=1e3 * statistics.median(bw_cpu))
+        line = (f"{tokens:5d} tokens, {nbytes / 1e6:6.1f} MB: raw {1e3 * raw:7.2f} ms ({nbytes / raw / 1e9:.2f} "
+                f"GB/s, {1e3 * statistics.median(raw_cpu):.1f} ms CPU), block-wise layer-wise "
+                f"{1e3 * blockwise:7.2f} ms ({nbytes / blockwise / 1e9:.2f} GB/s, "
+                f"{1e3 * statistics.median(bw_cpu):.1f} ms CPU), ratio {raw / blockwise:.2f} (best runs: "
+                f"{min(raws) / min(blockwises):.2f})")
+        if pipes:
+            pipe = statistics.median(pipes)
+            sizes[str(tokens)].update(copy_pipeline_ms=1e3 * pipe, copy_pipeline_vs_raw=raw / pipe,
+                                      blockwise_vs_copy_pipeline=pipe / blockwise)
+            line += f"; bare copy pipeline {1e3 * pipe:.2f} ms, {raw / pipe:.2f} of raw"
+        log(line)
 
     # per-transfer overhead: one block (30 layer messages of one block each) against raw of the same bytes
     raws, smalls = [], []
@@ -397,7 +434,9 @@ def main() -> None:
 
     ray_sizes: dict[str, dict[str, float]] = {}
     ray_small = None
-    if not args.no_ray:
+    if not args.no_ray and not on_cpu:
+        log("skipping the Ray object-store path: it runs between CPU caches only")
+    elif not args.no_ray:
         log("starting Ray and two actors for the object-store path")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -427,11 +466,14 @@ def main() -> None:
     report = {
         "model": "SmolLM2-135M", "num_layers": SPEC.num_layers, "num_kv_heads": SPEC.num_kv_heads,
         "head_dim": SPEC.head_dim, "block_size": SPEC.block_size, "dtype": "float32", "reps": args.reps,
+        "devices": args.devices, "backend": "nccl" if nccl else "gloo",
         "blockwise_vs_raw": min(s["blockwise_vs_raw"] for s in sizes.values()),
-        # the same gather -> send -> receive -> scatter copies with no protocol: what any design that packs
-        # scattered blocks can reach on this machine, and how close the transport comes to it
-        "copy_pipeline_vs_raw": min(s["copy_pipeline_vs_raw"] for s in sizes.values()),
-        "blockwise_vs_copy_pipeline": min(s["blockwise_vs_copy_pipeline"] for s in sizes.values()),
+        # the same gather -> send -> receive -> scatter copies with no protocol (CPU caches only): what any
+        # design that packs scattered blocks pays on this machine, and how the transport compares with it
+        "copy_pipeline_vs_raw": min((s["copy_pipeline_vs_raw"] for s in sizes.values()
+                                     if "copy_pipeline_vs_raw" in s), default=None),
+        "blockwise_vs_copy_pipeline": min((s["blockwise_vs_copy_pipeline"] for s in sizes.values()
+                                           if "blockwise_vs_copy_pipeline" in s), default=None),
         "ray_vs_raw": min((s["ray_vs_raw"] for s in sizes.values() if "ray_vs_raw" in s), default=None),
         "gbps": {kind: {k: s.get(f"{kind}_gbps") for k, s in sizes.items()} for kind in ("raw", "blockwise", "ray")},
         "per_transfer_overhead_ms": {
