@@ -49,7 +49,7 @@ from kv_transfer import (  # noqa: E402
     create_receiver,
     create_sender,
 )
-from kv_transfer.layout import pack_layers, scatter_layers  # noqa: E402
+from kv_transfer.layout import as_bytes, pack_layers, scatter_layers  # noqa: E402
 
 HOST = "127.0.0.1"  # both processes on this node
 _PIPE_DEPTH = 4  # messages in flight in the copy-pipeline baseline (the transport's window and slots)
@@ -150,7 +150,7 @@ class BenchPeer:
 
         def post() -> None:
             while (buf := out.get()) is not None:
-                self.raw.send([buf.view(-1).view(torch.uint8)], 1, 1).wait()
+                self.raw.send([as_bytes(buf)], 1, 1).wait()
                 window.release()
 
         poster = threading.Thread(target=post)
@@ -173,7 +173,7 @@ class BenchPeer:
 
         def post(first: int, slot: torch.Tensor) -> tuple[Any, torch.Tensor, int]:
             view = slot[:min(per, SPEC.num_layers - first)]
-            return self.raw.recv([view.view(-1).view(torch.uint8)], 0, 1), view, first
+            return self.raw.recv([as_bytes(view)], 0, 1), view, first
 
         def recv() -> tuple[bool, str | None]:
             slots = [torch.empty((per, *_layer_shape(len(dst_ids))), dtype=SPEC.dtype) for _ in range(_PIPE_DEPTH)]

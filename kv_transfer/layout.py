@@ -148,8 +148,7 @@ def scatter_layers(cache: torch.Tensor, first: int, block_ids: torch.Tensor, pac
 def _block_rows(t: torch.Tensor) -> np.ndarray:
     """A contiguous [layers, 2, blocks, block_size, heads, head_dim] CPU tensor as uint8 rows, one per
     block (of one layer's K or V)."""
-    assert t.is_contiguous(), "block rows need a contiguous tensor"
-    return t.reshape(-1).view(torch.uint8).numpy().reshape(-1, t[0, 0, 0].numel() * t.element_size())
+    return as_bytes(t).numpy().reshape(-1, t[0, 0, 0].numel() * t.element_size())
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,24 @@ def assert_landed(sender, receiver, key: str, rid: str, ids: list[int], skip: in
     receiver.call("release", key, rid)
 
 
+def land_once(sender, receiver, key: str, dst, src: str) -> None:
+    """One small transfer that must land: makes the link (and proves it works) before a failure test."""
+    ids = receiver.call("reserve", key, "warm", 2, 0, src, 30.0)
+    sender.call("push", key, [Job("warm", dst, ids)], 30.0)
+    assert_landed(sender, receiver, key, "warm", ids, 0)
+
+
+@contextlib.contextmanager
+def paused(peer):
+    """The peer's process stopped (SIGSTOP) for the block, resumed after it whatever happens."""
+    pid = peer.call("pid")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 SPECS = {
     "fp32-L3-bs16": Spec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32"),
     "bf16-L5-bs4": Spec(num_layers=5, num_kv_heads=4, head_dim=16, block_size=4, dtype="bfloat16"),
@@ -212,21 +230,15 @@ def test_paused_then_killed_receiver_fails_the_sender_within_the_deadline(cluste
     a, spec, key = cluster.peers["a"], SPECS["fp32-L3-bs16"], cluster.key("kill-rx")
     dst, src = connect(cluster, a, victim, key, spec)
     free = victim.call("num_free", key), a.call("num_free", key)
-    ids = victim.call("reserve", key, "warm", 2, 0, src, 30.0)  # a working link first
-    a.call("push", key, [Job("warm", dst, ids)], 30.0)
-    assert_landed(a, victim, key, "warm", ids, 0)
+    land_once(a, victim, key, dst, src)  # a working link first
 
     ids = victim.call("reserve", key, "paused", 3, 0, src, 1.5)
-    pid = victim.call("pid")
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with paused(victim):
         a.call("push", key, [Job("paused", dst, ids)], 1.5)
         out_tx = a.call("outcome", key, "paused", 30.0)
         # every layer was out: the sender waits past its deadline for the (paused) receiver's verdict
         cfg = cluster.config
         assert not out_tx.ok and out_tx.elapsed_s < 1.5 + cfg.liveness_s + cfg.op_timeout_s + SLACK_S, out_tx
-    finally:
-        os.kill(pid, signal.SIGCONT)
     out_rx = victim.call("outcome", key, "paused", 30.0)  # its own deadline passed while it was paused
     assert not out_rx.ok, out_rx
     assert (victim.call("num_free", key), a.call("num_free", key)) == free
@@ -248,17 +260,11 @@ def test_a_verdict_slow_to_come_back_still_lands_on_both_sides(cluster):
     config = dataclasses.replace(cluster.config, liveness_s=6.0, op_timeout_s=6.0)
     dst = b.call("open_receiver", key, spec, NUM_BLOCKS, config)
     src = a.call("open_sender", key, spec, NUM_BLOCKS, config)
-    ids = b.call("reserve", key, "warm", 2, 0, src, 30.0)  # a working link first
-    a.call("push", key, [Job("warm", dst, ids)], 30.0)
-    assert_landed(a, b, key, "warm", ids, 0)
+    land_once(a, b, key, dst, src)  # a working link first
 
     ids = b.call("reserve", key, "late-ack", 3, 0, src, 30.0)
-    pid = b.call("pid")
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with paused(b):
         a.call("push", key, [Job("late-ack", dst, ids)], 1.0)
         time.sleep(1.5)  # past the sender's deadline
         assert a.call("status", key, "late-ack") == "TRANSFERRING"  # waiting for the receiver's verdict
-    finally:
-        os.kill(pid, signal.SIGCONT)
     assert_landed(a, b, key, "late-ack", ids, 0)
