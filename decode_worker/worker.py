@@ -6,34 +6,43 @@ prefill worker has answered with the first token — `start`. The sequence joins
 both its KV has landed and its first token is known. Every engine step sends **one** message to the router
 (`stream_steps`) carrying the new token of every running sequence.
 
+A reservation is a lease: it lapses `lease_s` after it was made or last renewed (`renew`), and the router
+renews it while the prompt's prefill worker is alive and making progress. So a prompt may wait in a prefill
+queue or compute for minutes without losing its blocks, and blocks whose router or prefill worker went
+away are freed within one lease.
+
 With no KV transport (`kind="colocated"`), the same actor is the colocated baseline: `submit` queues a raw
 prompt and the engine prefills and decodes it itself, streaming through the same `stream_steps`.
+
+Every request id here is the router's attempt key: unique per attempt, never reused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop, StepOutput, TokenDelta
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
+from engine.messages import (
+    Heartbeat,
+    LoadReport,
+    Reservation,
+    StepOutput,
+    TokenDelta,
+    WorkerInfo,
+    node_identity,
+)
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.worker_types import LoadReport, WorkerInfo, node_identity
-from kv_transfer import KVTransferConfig, PeerAddress, create_receiver
+from kv_transfer import KVTransferConfig, create_receiver
 
-# the KV of a reserved prompt must land within this long, or the reservation is dropped
-KV_TRANSFER_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class Reservation:
-    kv_address: PeerAddress
-    block_ids: list[int]  # this worker's table for the whole prompt
-    num_cached_blocks: int  # leading blocks already held by this worker's prefix cache: not to be sent
+# a reservation lapses this long after it was made or last renewed (the router renews it every ~0.5 s)
+DEFAULT_LEASE_S = 30.0
 
 
 @dataclass
@@ -46,9 +55,11 @@ class _Pending:
 
 
 class DecodeWorker:
-    def __init__(self, worker_id: str, config: EngineConfig, kv_config: KVTransferConfig | None) -> None:
+    def __init__(self, worker_id: str, config: EngineConfig, kv_config: KVTransferConfig | None,
+                 lease_s: float = DEFAULT_LEASE_S) -> None:
         self.worker_id = worker_id
         self.kind = "decode" if kv_config is not None else "colocated"
+        self.lease_s = lease_s
         self.engine = LLMEngine(config)
         self.node_id, self.node_ip = node_identity()
         self.receiver = (create_receiver(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
@@ -56,13 +67,18 @@ class DecodeWorker:
         self.pending: dict[str, _Pending] = {}
         self._outbox: asyncio.Queue[StepOutput] | None = None
         self._outbox_loop: asyncio.AbstractEventLoop | None = None
-        self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, name=f"{worker_id}-loop")
+        self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, on_fail=self._fail_transfers,
+                               name=f"{worker_id}-loop")
         self.loop.start()
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, self.kind, self.node_id, self.node_ip,
                           self.engine.cache_spec.block_size, self.engine.allocator.num_blocks,
-                          self.receiver.address if self.receiver else None)
+                          self.receiver.address if self.receiver else None, os.getpid())
+
+    async def ping(self) -> Heartbeat:
+        return Heartbeat(self.worker_id, time.monotonic() - self.loop.last_progress, self.loop.busy,
+                         self.loop.alive)
 
     async def report(self) -> LoadReport:
         return await asyncio.wrap_future(self.loop.call(self._report))
@@ -82,6 +98,8 @@ class DecodeWorker:
         assert self.receiver is not None, "reserve() on a colocated worker"
 
         def reserve() -> Reservation | None:
+            if request_id in self.engine.scheduler.requests:
+                raise ValueError(f"request {request_id!r} is already reserved on {self.worker_id}")
             req = self._request(request_id, prompt_token_ids, params)
             blocks = self.engine.scheduler.reserve_for_kv(req)
             if blocks is None:
@@ -89,23 +107,32 @@ class DecodeWorker:
             skip = req.num_cached_tokens // self.engine.cache_spec.block_size
             pending = self.pending[request_id] = _Pending(req)
             if skip < len(blocks):
-                self.receiver.expect(request_id, src, blocks[skip:], time.monotonic() + KV_TRANSFER_TIMEOUT_S)
+                self.receiver.expect(request_id, src, blocks[skip:], time.monotonic() + self.lease_s)
             else:
                 pending.landed = True  # every block already cached here
-            return Reservation(self.receiver.address, list(blocks), skip)
+            return Reservation(self.receiver.address, list(blocks), skip, self.lease_s)
 
         return await asyncio.wrap_future(self.loop.call(reserve))
 
-    async def start(self, request_id: str, first_token: int) -> None:
-        """The prefill worker sampled `first_token`: decode once the KV has landed."""
+    async def renew(self, request_ids: list[str]) -> list[str]:
+        """Extend the leases of these reservations by `lease_s`; returns the ids no longer reserved here."""
+        until = time.monotonic() + self.lease_s
+        # NOTE: answered on the actor thread, not the engine loop's: a renewal must not wait for a step.
+        return [rid for rid in request_ids if not self.receiver.extend(rid, until) and rid not in self.pending]
 
-        def start() -> None:
+    async def start(self, request_id: str, first_token: int) -> bool:
+        """The prefill worker sampled `first_token`: decode once the KV has landed. False if the
+        reservation is gone (lapsed, failed): the router must place the request again."""
+
+        def start() -> bool:
             pending = self.pending.get(request_id)
-            if pending is not None:
-                pending.first_token = first_token
-                self._admit_if_ready(pending)
+            if pending is None:
+                return False
+            pending.first_token = first_token
+            self._admit_if_ready(pending)
+            return True
 
-        await asyncio.wrap_future(self.loop.call(start))
+        return await asyncio.wrap_future(self.loop.call(start))
 
     # -- colocated --------------------------------------------------------------------------------------
 
@@ -119,6 +146,7 @@ class DecodeWorker:
         """Free whatever the request holds here; a no-op for unknown or finished requests."""
 
         def abort() -> None:
+            # NOTE: the transfer is failed before the blocks are freed, so no late layer lands in them
             if self.pending.pop(request_id, None) is not None and self.receiver is not None:
                 self.receiver.abort(request_id)
             self.engine.scheduler.abort(request_id)
@@ -155,6 +183,12 @@ class DecodeWorker:
         if self.engine.scheduler.kv_landed(req, pending.first_token):  # the first token already ends it
             self._emit([TokenDelta(req.request_id, [], req.finish_reason.value, req.num_cached_tokens)])
 
+    def _fail_transfers(self, requests: list[Request]) -> None:
+        """A failed step ends these requests: fail their transfers before their blocks are freed."""
+        for r in requests:
+            if self.pending.pop(r.request_id, None) is not None and self.receiver is not None:
+                self.receiver.abort(r.request_id, "the decode worker's engine step failed")
+
     def _poll(self) -> bool:
         if self.receiver is None:
             return False
@@ -169,7 +203,7 @@ class DecodeWorker:
             else:
                 del self.pending[result.request_id]
                 self.engine.scheduler.finish(pending.request, RequestStatus.FINISHED_ERROR)
-                failed.append(TokenDelta(result.request_id, [], "error"))
+                failed.append(TokenDelta(result.request_id, [], "error", error=result.error))
         if failed:
             self._emit(failed)
         return bool(self.pending)
@@ -179,7 +213,7 @@ class DecodeWorker:
             self._outbox_loop.call_soon_threadsafe(self._outbox.put_nowait, out)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
-        self._on_step(StepOutput(-1, time.time(), deltas, self.engine.load()))
+        self._on_step(StepOutput(0, time.time(), deltas, self.engine.load()))
 
     def _report(self) -> LoadReport:
         events = self.engine.allocator.drain_events()

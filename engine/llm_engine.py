@@ -16,6 +16,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.hub import log, resolve_model
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
+from engine.messages import EngineLoad
 from engine.model_runner import ModelRunner
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.request import FinishReason, Request, RequestStatus
@@ -29,18 +30,6 @@ DEFAULT_MEMORY_FRACTION = {"cpu": 0.05, "cuda": 0.85}
 
 Prompt = str | Sequence[int]
 LayerHookFactory = Callable[[SchedulerOutput], LayerHook | None]
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot of one engine's load, what the router's placement policy weighs."""
-
-    num_running: int
-    num_waiting: int
-    queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
-    free_blocks: int
-    total_blocks: int
-    cached_blocks: int
 
 
 @dataclass
@@ -179,7 +168,7 @@ class LLMEngine:
             return out, []
         logits = self.runner.execute(out, layer_hook_for(out) if layer_hook_for else None)
         tokens = sample(logits, [c.request.params for c in out.chunks],
-                        [c.request.generator for c in out.chunks])
+                        [c.request.num_tokens for c in out.chunks])
         return out, self.scheduler.update(out, tokens)
 
     def output(self, req: Request) -> RequestOutput:

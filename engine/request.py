@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.block_hash import BlockHash, hash_blocks
 from engine.sampling_params import SamplingParams
 
@@ -60,15 +58,12 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of all tokens
-    generator: torch.Generator | None = None
     # prefill worker: stop after the first token and hold the blocks (SENDING_KV) until the KV has shipped
     prefill_only: bool = False
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt reached the engine"
         self.block_hashes = hash_blocks(self.prompt_token_ids, self.block_size)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,15 +6,44 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [num_seqs, vocab]; one token per row. Greedy rows are batched; random rows sample alone so a
-    seeded request draws from its own generator and gets the same tokens whatever it is batched with."""
+
+def _splitmix64(x: int) -> int:
+    """The splitmix64 finaliser: a bijection on 64-bit ints that spreads every input bit over the output."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed for the token a request with `seed` samples after `position` tokens.
+
+    NOTE: a pure function of (seed, position), never of how many draws came before, so a request migrated
+    to another worker (re-prefilled with its prompt plus the tokens it already generated) draws exactly the
+    tokens it would have drawn had it stayed. Kept in [0, 2^63) so `manual_seed` takes it on every platform.
+    """
+    key = (seed << 32) + position
+    # NOTE: seed * 2^32 + position is one-to-one in 64 bits while both halves fit in 32; larger seeds fold
+    # their high bits in through another mix rather than being cut off (which would make seeds collide).
+    while key >> 64:
+        key = (key & _MASK64) ^ _splitmix64(key >> 64)
+    return _splitmix64(key) >> 1
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    """logits: [num_seqs, vocab]; one token per row. `positions[i]` is the number of tokens row i's sequence
+    holds before the sampled one (prompt plus output so far). Greedy rows are batched; random rows sample
+    alone, a seeded one from a generator seeded by `draw_seed(seed, position)`, so it gets the same token
+    whatever it is batched with and on whichever worker it runs. Unseeded rows use the global RNG."""
     tokens = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = _sample_row(logits[i].float(), p, generators[i])
+            generator = None
+            if p.seed is not None:
+                generator = torch.Generator().manual_seed(draw_seed(p.seed, positions[i]))
+            tokens[i] = _sample_row(logits[i].float(), p, generator)
     return tokens
 
 

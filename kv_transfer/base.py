@@ -134,6 +134,11 @@ class KVReceiver(ABC):
         is a `time.monotonic()` instant of this process."""
 
     @abstractmethod
+    def extend(self, request_id: str, deadline: float) -> bool:
+        """Move the transfer's deadline later: the decode worker holds a reservation as a lease that the
+        router renews while the prompt's prefill makes progress. False once the transfer has finished."""
+
+    @abstractmethod
     def poll(self, request_id: str) -> TransferStatus:
         """As `KVSender.poll`."""
 

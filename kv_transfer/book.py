@@ -144,6 +144,16 @@ class BookKeeper:
     def pop_finished(self) -> list[TransferResult]:
         return self._book.pop_finished()
 
+    def extend(self, request_id: str, deadline: float) -> bool:
+        """Move an unfinished transfer's deadline later (a lease renewed); False if it is not in flight."""
+        with self._book.lock:
+            state = self._book.get_locked(request_id)
+            if state is None:
+                return False
+            if deadline > state.deadline:
+                state.deadline = deadline
+            return True
+
     def _abort(self, request_id: str, reason: str) -> None:
         with self._book.lock:
             state = self._book.get_locked(request_id)

@@ -11,7 +11,8 @@ agree with the other on any counter.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 
 import torch
@@ -66,6 +67,13 @@ def use_nccl(sender_device: str, receiver_device: str) -> bool:
             and sender_device != receiver_device)
 
 
+# NOTE: anything that reaches the store can push onto an accept queue, so a receiver parses what it pops
+# strictly and bounds it: a real request is three short strings, a few hundred bytes of JSON.
+MAX_LINK_REQUEST_BYTES = 4096
+_MAX_FIELD_CHARS = 256
+_LINK_ID = re.compile(r"[0-9A-Za-z_-]+")  # it names store keys (`link_prefix`): no separators
+
+
 @dataclass(frozen=True)
 class LinkRequest:
     """What a sender pushes onto a receiver's accept queue."""
@@ -79,4 +87,34 @@ class LinkRequest:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> LinkRequest:
-        return cls(**json.loads(raw))
+        """Parse one accept-queue entry. Raises ValueError, saying what is wrong, for anything other than
+        a JSON object with exactly these fields, each a short printable string of the right form."""
+        if len(raw) > MAX_LINK_REQUEST_BYTES:
+            raise ValueError(f"link request of {len(raw)} bytes exceeds {MAX_LINK_REQUEST_BYTES}")
+        try:
+            obj = json.loads(raw)
+        except RecursionError as e:  # deeply nested arrays: json's parser recurses
+            raise ValueError("link request nests too deeply") from e
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+            raise ValueError(f"link request is not JSON: {e}") from e
+        if not isinstance(obj, dict):
+            raise ValueError(f"link request is a JSON {type(obj).__name__}, not an object")
+        names = {f.name for f in fields(cls)}
+        if set(obj) != names:
+            raise ValueError(f"link request has fields {sorted(obj)}, expected {sorted(names)}")
+        for name in sorted(names):
+            value = obj[name]
+            if not isinstance(value, str) or not value or len(value) > _MAX_FIELD_CHARS or not value.isprintable():
+                raise ValueError(f"link request field {name!r} must be a printable string of 1 to "
+                                 f"{_MAX_FIELD_CHARS} characters, got {_clip(value)}")
+        if not _LINK_ID.fullmatch(obj["link_id"]):
+            raise ValueError(f"link request link_id {_clip(obj['link_id'])} is not [0-9A-Za-z_-]+")
+        if obj["device"] != "cpu" and not obj["device"].startswith("cuda:"):
+            raise ValueError(f"link request device {_clip(obj['device'])} is neither 'cpu' nor 'cuda:<uuid>'")
+        return cls(**obj)
+
+
+def _clip(value: object, limit: int = 80) -> str:
+    """A bounded repr for error messages: a garbage entry must not flood the log."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

@@ -415,9 +415,19 @@ class TorchKVReceiver(LayerwiseReceiver):
                     self._listen_store = connect_store(cfg.rendezvous_host, cfg.rendezvous_port, _LISTEN_TIMEOUT_S)
                 continue
             backoff = 0.5
-            if raw.decode() == _CLOSE:
-                return
-            t = threading.Thread(target=self._serve, args=(LinkRequest.from_json(raw),), daemon=True,
+            if raw == _CLOSE.encode():
+                if self._closed:
+                    return
+                # NOTE: only our own close() may stop the listener; a stray sentinel from anyone else is noise.
+                log.warning("KV receiver %s: dropped a close request it did not send", self.endpoint_id)
+                continue
+            try:
+                request = LinkRequest.from_json(raw)
+            except ValueError as e:
+                # NOTE: one bad entry must not take the listener (and every future link) down with it.
+                log.warning("KV receiver %s: dropped a malformed link request: %s", self.endpoint_id, e)
+                continue
+            t = threading.Thread(target=self._serve, args=(request,), daemon=True,
                                  name=f"kv-recv-{self.endpoint_id}<-link")
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()

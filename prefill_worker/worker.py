@@ -10,42 +10,30 @@ blocks as soon as that layer is written, so the copy overlaps the remaining laye
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 
 from engine.config import EngineConfig, cdiv
-from engine.engine_loop import EngineLoop, StepOutput
+from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
+from engine.messages import (
+    Heartbeat,
+    LoadReport,
+    PrefillResult,
+    Reservation,
+    StepOutput,
+    WorkerInfo,
+    node_identity,
+)
 from engine.models.llama import LayerHook
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.worker_types import LoadReport, WorkerInfo, node_identity
 from kv_transfer import KVTransferConfig, PeerAddress, TransferResult, create_sender
 
 # a prompt's KV must have landed this long after its transfer opened, or the transfer fails
 KV_TRANSFER_TIMEOUT_S = 30.0
-
-
-@dataclass
-class PrefillResult:
-    request_id: str
-    first_token: int | None  # None when it failed
-    finish_reason: str | None  # set when the first token already ends the request ("stop" | "length")
-    num_cached_tokens: int  # prompt tokens this worker's prefix cache served
-    error: str | None = None
-    # wall-clock instants (time.time()) for the router's TTFT breakdown
-    scheduled_at: float = 0.0
-    sampled_at: float = 0.0
-    kv_done_at: float = 0.0
-    kv_seconds: float = 0.0  # transfer opened -> every layer acknowledged (overlaps the prefill compute)
-    kv_bytes: int = 0
-    kv_failed: bool = False  # the error, if any, is the KV transfer's
-    report: LoadReport | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 @dataclass
@@ -70,21 +58,30 @@ class PrefillWorker:
         self.sender = create_sender(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
         self.jobs: dict[str, _Job] = {}
         self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, layer_hook_for=self._hook_for,
-                               name=f"{worker_id}-loop")
+                               on_fail=self._fail_transfers, name=f"{worker_id}-loop")
         self.loop.start()
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, "prefill", self.node_id, self.node_ip,
-                          self.engine.cache_spec.block_size, self.engine.allocator.num_blocks)
+                          self.engine.cache_spec.block_size, self.engine.allocator.num_blocks, pid=os.getpid())
+
+    async def ping(self) -> Heartbeat:
+        return Heartbeat(self.worker_id, time.monotonic() - self.loop.last_progress, self.loop.busy,
+                         self.loop.alive)
 
     async def report(self) -> LoadReport:
         return await asyncio.wrap_future(self.loop.call(self._report))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      dst: PeerAddress, dst_block_ids: list[int], num_dst_cached_blocks: int) -> PrefillResult:
+                      reservation: Reservation) -> PrefillResult:
+        """Compute the prompt, push its KV into `reservation`, answer with the first token."""
         future = asyncio.get_running_loop().create_future()
+        dst, dst_block_ids = reservation.kv_address, reservation.block_ids
+        num_dst_cached_blocks = reservation.num_cached_blocks
 
         def add() -> None:
+            if request_id in self.jobs:
+                raise ValueError(f"request {request_id!r} is already prefilling on {self.worker_id}")
             req = Request(request_id, prompt_token_ids, params, self.engine.cache_spec.block_size,
                           self.engine.eos_token_ids, self.engine.max_model_len, prefill_only=True)
             self.engine.scheduler.add(req)
@@ -147,6 +144,14 @@ class PrefillWorker:
         job.transfer_opened_at = time.time()
         job.transfer_bytes = (n - skip) * self.engine.cache_spec.bytes_per_block
         return True
+
+    def _fail_transfers(self, requests: list[Request]) -> None:
+        """A failed step ends these requests: fail their transfers before their blocks are freed."""
+        for r in requests:
+            job = self.jobs.get(r.request_id)
+            if job is not None and job.transfer_open:
+                self.sender.abort(r.request_id, "the prefill worker's engine step failed")
+                job.transfer_open = False
 
     def _on_step(self, out: StepOutput) -> None:
         for delta in out.deltas:

@@ -53,7 +53,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for KV room; past it RESOURCE_EXHAUSTED at once, before any prefill")
+    p.add_argument("--admission-timeout", type=float, default=60.0,
+                   help="seconds a request waits for KV room or a live worker before it fails")
+    p.add_argument("--max-queued-prefill-tokens", type=int, default=65536,
+                   help="prompt tokens queued per prefill worker before new requests get RESOURCE_EXHAUSTED")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times a request is placed again after a worker loss or a failed KV transfer")
+    p.add_argument("--worker-timeout", type=float, default=10.0,
+                   help="seconds without a heartbeat (or engine progress while busy) before a worker is "
+                        "declared dead, killed and replaced")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish")
     p.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port, bound on --host (default 9400; 0: any free port; "
                         "'off': no endpoint)")
@@ -83,7 +95,9 @@ def serve_config(args: argparse.Namespace):
         decode_resources=args.decode_resources, kv_transport=args.kv_transport, routing=args.routing,
         worker_threads=args.worker_threads, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queue=args.max_queue, metrics_port=args.metrics_port, device=args.device, dtype=args.dtype)
+        max_queue=args.max_queue, admission_timeout_s=args.admission_timeout,
+        max_queued_prefill_tokens=args.max_queued_prefill_tokens, migration_limit=args.migration_limit,
+        worker_timeout=args.worker_timeout, shutdown_grace=args.shutdown_grace, metrics_port=args.metrics_port, device=args.device, dtype=args.dtype)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ from router.observer import RequestObserver
 from router.placement import PoolKind
 
 if TYPE_CHECKING:
-    from engine.worker_types import LoadReport
+    from engine.messages import LoadReport
     from router.pool import Worker
     from router.router import RequestState, RouterEvent
     from router.validation import ValidatedRequest
@@ -110,6 +110,20 @@ class Metrics(RequestObserver):
         self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "Prefills whose KV transfer (or "
                                    "the prefill itself) failed.", ["model", "src", "dst"], registry=r)
 
+        self.migrations = Counter(
+            "pdserve_request_migrations_total", "Attempts that failed and were placed again (or ended the "
+            "request past --migration-limit), by cause: prefill_lost, decode_lost, kv_transfer, reservation, "
+            "worker_error.", ["model", "cause"], registry=r)
+        self.workers_lost = Counter(
+            "pdserve_workers_lost_total", "Workers that died or were declared dead (stuck, unreachable), by "
+            "pool.", ["model", "pool"], registry=r)
+        self.pool_live = Gauge("pdserve_pool_live_workers", "Live workers per pool.", ["model", "pool"],
+                               registry=r)
+        self.pool_target = Gauge("pdserve_pool_target_workers", "Target size per pool.", ["model", "pool"],
+                                 registry=r)
+        self.pool_serving = Gauge("pdserve_pool_serving", "1 while the pool has at least one live worker.",
+                                  ["model", "pool"], registry=r)
+
         for outcome in OUTCOMES:  # zero series exist from the start, so rate() and dashboards see them
             self.requests.labels(model, outcome)
         self._streams: dict[str, _Stream] = {}
@@ -122,10 +136,10 @@ class Metrics(RequestObserver):
         n = len(event.token_ids)
         if n == 0:
             return
-        stream = self._streams.get(req.request_id)
+        stream = self._streams.get(state.id)
         if stream is None:  # the first event with tokens (`event.first` on every path the router has)
             self.ttft.labels(self.model, state.pool, state.prefill_worker).observe(event.time - state.arrival)
-            self._streams[req.request_id] = _Stream(event.time, n)
+            self._streams[state.id] = _Stream(event.time, n)
             gaps = [0.0] * (n - 1)
         else:
             gaps = [event.time - stream.last_token_at] + [0.0] * (n - 1)
@@ -141,7 +155,7 @@ class Metrics(RequestObserver):
         """`state` may be None for a request that ended before the router yielded anything for it."""
         assert outcome in OUTCOMES, f"unknown outcome {outcome!r}"
         self.requests.labels(self.model, outcome).inc()
-        stream = self._streams.pop(req.request_id, None)
+        stream = self._streams.pop(state.id, None) if state is not None else None
         if stream is None or state is None:  # ended before its first token: nothing reached the client
             return
         m, pool, prefill = self.model, state.pool, state.prefill_worker
@@ -192,11 +206,21 @@ class Metrics(RequestObserver):
 
         NOTE: counters and histograms keep its series: they are history, and rate() ends them by itself.
         """
+        self.workers_lost.labels(self.model, worker.kind.value).inc()
         labels = (self.model, worker.kind.value, worker.worker_id, worker.info.node_id)
         for gauge in (self.running, self.waiting, self.kv_usage):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
         self._workers.get(worker.kind.value, set()).discard(worker.worker_id)
+
+
+    def on_migration(self, state: RequestState, cause: str) -> None:
+        self.migrations.labels(self.model, cause).inc()
+
+    def on_pool_size(self, pool: str, live: int, target: int) -> None:
+        self.pool_live.labels(self.model, pool).set(live)
+        self.pool_target.labels(self.model, pool).set(target)
+        self.pool_serving.labels(self.model, pool).set(1 if live else 0)
 
 
 def _decode_pool(ttft_pool: str) -> str:

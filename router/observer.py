@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.worker_types import LoadReport
+    from engine.messages import LoadReport
     from router.pool import Worker
     from router.router import RequestState, RouterEvent
     from router.validation import ValidatedRequest
@@ -28,7 +28,13 @@ class RequestObserver:
         """A worker's fresh load (running, waiting, KV blocks) reached the router."""
 
     def on_worker_lost(self, worker: Worker) -> None:
-        """A worker is gone (its node left, it crashed): its load is no longer current."""
+        """A worker is gone (its node left, it crashed, it was declared dead): its load is no longer current."""
+
+    def on_migration(self, state: RequestState, cause: str) -> None:
+        """An attempt of the request failed (`router.lifecycle.Cause`); it is placed again or fails."""
+
+    def on_pool_size(self, pool: str, live: int, target: int) -> None:
+        """A pool's live workers against its target size (refreshed on every liveness tick)."""
 
     def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
         """A prompt's KV transfer ended: `seconds` from opening it to the last layer acknowledged."""

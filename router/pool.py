@@ -1,23 +1,33 @@
-"""The worker pools on Ray: starting the actors, and the router's live view of each worker.
+"""The worker pools: one registry of workers, and a manager that starts, watches and replaces them.
 
 Each worker is a Ray actor with one model replica, placed by its pool's resources (`{"CPU": 1}` here,
-`{"GPU": 1}` on a GPU cluster, or custom node resources). The router keeps a `Worker` per actor: its
-handle, what it said about itself at start (`WorkerInfo`) and its last load snapshot (`WorkerLoad`, what
-placement weighs), refreshed from every message the worker sends and by a periodic poll.
+`{"GPU": 1}` on a GPU cluster, or custom node resources). The router keeps a `Worker` per actor in one
+`WorkerRegistry`: its client, what it said about itself at start (`WorkerInfo`) and its last load snapshot
+(`WorkerLoad`, what placement weighs). A worker leaves the registry's live set exactly once, through
+`WorkerRegistry.lose`, whoever noticed first: its step stream ending, a call finding its actor dead, or the
+liveness watch declaring it dead.
+
+Liveness (`PoolManager`): every `interval_s` each worker is pinged (answered by its actor thread) with a
+`worker_timeout_s` deadline. No answer in time, or an engine loop that has not moved for `worker_timeout_s`
+while it has work, and the worker is declared dead: killed (so it can do no more harm), lost, replaced.
+A transient `ActorUnavailableError` is not death. Replacements that fail to start back off exponentially.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.worker_types import LoadReport, WorkerInfo
+from engine.messages import LoadReport, WorkerInfo
 from router.placement import PoolKind, WorkerLoad
+from router.worker_client import Failure, RayWorkerClient, WorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +51,24 @@ class PoolSpec:
                 "max_concurrency": 10_000, "max_restarts": 0}
 
 
-@dataclass
+@dataclass(frozen=True)
+class LivenessConfig:
+    worker_timeout_s: float = 10.0  # no ping answer, or no engine progress while busy, this long: dead
+    interval_s: float = 0.5  # how often each worker is pinged and its load refreshed
+    backoff_initial_s: float = 0.5  # first wait after a replacement failed to start
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.worker_timeout_s <= 0:
+            raise ValueError(f"--worker-timeout must be > 0 seconds, got {self.worker_timeout_s}")
+        if not 0 < self.interval_s < self.worker_timeout_s:
+            raise ValueError(f"liveness interval_s must be in (0, worker_timeout_s), got {self.interval_s}")
+
+
+@dataclass(eq=False)  # one object per worker: compared and hashed by identity
 class Worker:
     info: WorkerInfo
-    actor: Any  # ray.actor.ActorHandle
+    client: WorkerClient
     load: WorkerLoad
     inflight_prefill_tokens: int = 0  # prompt tokens sent to it and not yet answered (router's own count)
 
@@ -72,30 +96,93 @@ class Worker:
             queued_prefill_tokens=ld.queued_prefill_tokens, free_blocks=min(ld.free_blocks, ld.total_blocks),
             total_blocks=ld.total_blocks)
 
-    def mark_dead(self) -> None:
-        self.load = dataclasses.replace(self.load, alive=False)
+
+def make_worker(info: WorkerInfo, client: WorkerClient, kind: PoolKind) -> Worker:
+    return Worker(info, client, WorkerLoad(info.worker_id, info.node_id, kind, free_blocks=info.num_blocks,
+                                           total_blocks=info.num_blocks))
 
 
-class PoolManager:
-    """Keeps each pool at its target size: starts the workers, notices lost ones, starts replacements.
+class WorkerRegistry:
+    """Every worker the deployment has had, by id; `lose` is the one way out of the live set."""
 
-    A worker whose actor dies (its node left, it crashed) is reported through `on_lost` and replaced as soon
-    as Ray can place a new actor with the pool's resources: a node joining lets the pool grow back.
-    Replacements Ray cannot place yet stay pending (one per missing worker), never piling up.
-    """
-
-    def __init__(self, specs: list[PoolSpec], kv_config: Any, on_ready: Callable[[Worker], None],
-                 on_lost: Callable[[Worker], None], on_report: Callable[[Worker, LoadReport], None]) -> None:
-        self.specs = specs
-        self.kv_config = kv_config
-        self.on_ready, self.on_lost, self.on_report = on_ready, on_lost, on_report
+    def __init__(self) -> None:
         self.workers: dict[str, Worker] = {}
-        self.pending: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
-        self._next_index: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
-        self._tasks: set[asyncio.Task] = set()
+        self.on_added: list[Callable[[Worker], None]] = []
+        self.on_lost: list[Callable[[Worker, str], None]] = []
+
+    def add(self, worker: Worker) -> None:
+        assert worker.worker_id not in self.workers, f"worker id {worker.worker_id} reused"
+        self.workers[worker.worker_id] = worker
+        for cb in self.on_added:
+            cb(worker)
+
+    def lose(self, worker: Worker, why: str) -> bool:
+        """Mark the worker dead and tell every listener, once; False if it was already lost."""
+        if not worker.alive:
+            return False
+        logger.error("worker %s on node %s lost: %s", worker.worker_id, worker.info.node_ip, why)
+        worker.load = dataclasses.replace(worker.load, alive=False)
+        for cb in self.on_lost:
+            cb(worker, why)
+        return True
 
     def live(self, kind: PoolKind | None = None) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and (kind is None or w.kind is kind)]
+
+    def get(self, worker_id: str) -> Worker:
+        return self.workers[worker_id]
+
+
+Launcher = Callable[[PoolSpec, str], Awaitable[WorkerClient]]
+
+
+def ray_launcher(kv_config: Any) -> Launcher:
+    """Start workers as Ray actors: `PrefillWorker` or `DecodeWorker` (colocated: no KV transport)."""
+
+    async def launch(spec: PoolSpec, worker_id: str) -> WorkerClient:
+        import ray
+
+        from decode_worker import DecodeWorker
+        from prefill_worker import PrefillWorker
+
+        cls = PrefillWorker if spec.kind is PoolKind.PREFILL else DecodeWorker
+        kv = None if spec.kind is PoolKind.COLOCATED else kv_config
+        actor = ray.remote(cls).options(**spec.actor_options()).remote(worker_id, spec.engine, kv)
+        return RayWorkerClient(worker_id, actor)
+
+    return launch
+
+
+class PoolManager:
+    """Keeps each pool at its target size: starts the workers, watches them, replaces lost ones.
+
+    A lost worker (its node left, it crashed, it was declared dead) is replaced as soon as a new one can be
+    placed: a node joining lets the pool grow back. Replacements not started yet stay pending (one per
+    missing worker), never piling up; one that fails to start is retried after an exponential backoff.
+    """
+
+    def __init__(self, specs: list[PoolSpec], registry: WorkerRegistry, launch: Launcher,
+                 liveness: LivenessConfig | None = None,
+                 on_report: Callable[[Worker, LoadReport], None] = lambda w, r: None,
+                 on_heartbeat: Callable[[Worker], None] = lambda w: None) -> None:
+        self.specs = specs
+        self.registry = registry
+        self.launch = launch
+        self.liveness = liveness or LivenessConfig()
+        self.on_report = on_report
+        self.on_heartbeat = on_heartbeat
+        self.pending: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
+        self._next_index: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
+        self._backoff: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
+        self._retry_at: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = False
+
+    def live(self, kind: PoolKind | None = None) -> list[Worker]:
+        return self.registry.live(kind)
+
+    def target(self, kind: PoolKind) -> int:
+        return sum(s.num_workers for s in self.specs if s.kind is kind)
 
     async def start(self) -> None:
         """Start every pool's workers and wait until each has loaded its model."""
@@ -105,49 +192,104 @@ class PoolManager:
             worker = await fut
             logger.info("worker %s ready on node %s (%d/%d)", worker.worker_id, worker.info.node_ip, n, total)
 
-    async def maintain(self, interval_s: float = 0.5) -> None:
-        """Forever: refresh every live worker's load, retire dead ones, top pools back up."""
-        import ray
-
-        while True:
-            live = self.live()
-            results = await asyncio.gather(*(w.actor.report.remote() for w in live), return_exceptions=True)
-            for w, r in zip(live, results):
-                if isinstance(r, ray.exceptions.RayActorError):
-                    self.lose(w, str(r))
-                elif isinstance(r, LoadReport):
-                    self.on_report(w, r)
+    async def maintain(self) -> None:
+        """Forever: top pools back up (with backoff after failed starts)."""
+        while not self._stopping:
+            now = time.monotonic()
             for spec in self.specs:
-                for _ in range(spec.num_workers - len(self.live(spec.kind)) - self.pending[spec.kind]):
-                    task = asyncio.ensure_future(self._start_one(spec))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-            await asyncio.sleep(interval_s)
+                missing = spec.num_workers - len(self.live(spec.kind)) - self.pending[spec.kind]
+                if missing > 0 and now >= self._retry_at[spec.kind]:
+                    for _ in range(missing):
+                        self._spawn(self._replace(spec))
+            await asyncio.sleep(self.liveness.interval_s)
 
-    def lose(self, worker: Worker, why: str) -> None:
-        if worker.alive:
-            logger.error("worker %s on node %s lost: %s", worker.worker_id, worker.info.node_ip, why)
-            worker.mark_dead()
-            self.on_lost(worker)
+    async def close(self) -> None:
+        self._stopping = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def declare_dead(self, worker: Worker, why: str) -> None:
+        """Kill a worker that is stuck or unreachable, and lose it (its requests move elsewhere)."""
+        if not worker.alive:
+            return
+        try:
+            worker.client.kill()
+        except Exception as e:  # noqa: BLE001 - already gone is fine; it is lost either way
+            logger.warning("killing %s: %s", worker.worker_id, e)
+        self.registry.lose(worker, why)
+
+    async def _replace(self, spec: PoolSpec) -> None:
+        try:
+            worker = await self._start_one(spec)
+        except Exception as e:  # noqa: BLE001 - logged, retried after a backoff
+            b = self._backoff[spec.kind] = min(max(self._backoff[spec.kind] * 2, self.liveness.backoff_initial_s),
+                                               self.liveness.backoff_max_s)
+            self._retry_at[spec.kind] = time.monotonic() + b
+            logger.error("replacement %s worker failed to start (%s); retrying in %.1fs", spec.kind.value, e, b)
+            return
+        self._backoff[spec.kind] = 0.0
+        logger.info("replacement worker %s ready on node %s", worker.worker_id, worker.info.node_ip)
 
     async def _start_one(self, spec: PoolSpec) -> Worker:
-        import ray
-
-        from decode_worker import DecodeWorker
-        from prefill_worker import PrefillWorker
-
-        cls = PrefillWorker if spec.kind is PoolKind.PREFILL else DecodeWorker
         worker_id = f"{spec.kind.value}-{self._next_index[spec.kind]}"
         self._next_index[spec.kind] += 1
-        kv = None if spec.kind is PoolKind.COLOCATED else self.kv_config
-        actor = ray.remote(cls).options(**spec.actor_options()).remote(worker_id, spec.engine, kv)
         self.pending[spec.kind] += 1
+        client = None
         try:
-            info: WorkerInfo = await actor.info.remote()
+            client = await self.launch(spec, worker_id)
+            info = await client.info()
+        except BaseException:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.kill()  # a half-started worker must not linger holding resources
+            raise
         finally:
             self.pending[spec.kind] -= 1
-        worker = Worker(info, actor, WorkerLoad(info.worker_id, info.node_id, spec.kind,
-                                                free_blocks=info.num_blocks, total_blocks=info.num_blocks))
-        self.workers[worker_id] = worker
-        self.on_ready(worker)
+        worker = make_worker(info, client, spec.kind)
+        self.registry.add(worker)
+        self._spawn(self._watch(worker))
         return worker
+
+    async def _watch(self, worker: Worker) -> None:
+        """Ping the worker and refresh its load until it is lost; declare it dead when it stops moving."""
+        cfg = self.liveness
+        report: asyncio.Task | None = None
+        while worker.alive and not self._stopping:
+            try:
+                hb = await worker.client.ping(cfg.worker_timeout_s)
+            except WorkerError as e:
+                if e.lost:
+                    self.registry.lose(worker, e.reason)
+                elif e.failure is Failure.TIMEOUT:  # the process is stopped, stuck or cut off
+                    self.declare_dead(worker, f"no heartbeat within {cfg.worker_timeout_s:.3g}s")
+                else:
+                    await asyncio.sleep(cfg.interval_s)
+                continue
+            if not hb.loop_alive:
+                self.declare_dead(worker, "its engine loop thread is dead")
+                continue
+            if hb.busy and hb.loop_age_s > cfg.worker_timeout_s:
+                self.declare_dead(worker, f"its engine loop has not moved for {hb.loop_age_s:.1f}s with work "
+                                          f"to do (--worker-timeout {cfg.worker_timeout_s:.3g}s)")
+                continue
+            self.on_heartbeat(worker)
+            if report is None or report.done():  # never more than one report in flight per worker
+                report = self._spawn(self._report(worker))
+            await asyncio.sleep(cfg.interval_s)
+
+    async def _report(self, worker: Worker) -> None:
+        try:
+            r = await worker.client.report(self.liveness.worker_timeout_s)
+        except WorkerError as e:
+            if e.lost:
+                self.registry.lose(worker, e.reason)
+            return  # a slow report (a long step) is not death: the ping decides
+        if worker.alive:
+            self.on_report(worker, r)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

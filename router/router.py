@@ -1,44 +1,52 @@
-"""The router's core: place each request by phase and locality, drive it through the workers, stream it.
+"""The router's core: place each request by phase and locality, drive its attempts, stream it.
 
-Disaggregated path, per request:
-  1. prefill worker = lowest cost of (uncached prompt tokens + queued prefill tokens) (`choose_prefill`);
+Disaggregated attempt (see `router.lifecycle` for the request's phases):
+  1. prefill worker = lowest cost of (uncached prompt tokens + queued prefill tokens) (`choose_prefill`),
+     among live workers whose queued prefill tokens stay under `max_queued_prefill_tokens`;
   2. decode worker = same node as that prefill worker when one has room, else most free blocks
-     (`choose_decode`); `reserve` there returns the destination blocks, or None when it is out of room, in
-     which case the request waits in a bounded admission queue (past the bound: RESOURCE_EXHAUSTED);
+     (`choose_decode`); `reserve` there returns the destination blocks as a lease, or None when it is out
+     of room, in which case the request waits in a bounded admission queue (past the bound:
+     RESOURCE_EXHAUSTED at once, before any prefill). The lease is renewed on every heartbeat of the
+     prefill worker, so it lasts as long as the prefill makes progress, however long that is;
   3. `prefill` on the prefill worker computes the prompt, pushes its KV layer by layer into the reserved
      blocks and answers with the first token;
   4. `start` on the decode worker, whose per-step messages (one per step for all its sequences) a single
-     consumer task per decode worker fans out to the requests' queues.
-Colocated path: one colocated worker does both phases; same streams, same events.
+     consumer task per decode worker fans out to the attempts' queues.
+Colocated attempt: one colocated worker does both phases; same streams, same events.
 
-Every way out of `generate` — finished, cancelled by the client, failed — leaves no blocks held: the
-`finally` tells every worker that may hold something for the request to free it.
+An attempt that fails — its prefill or decode worker lost, its KV transfer failed, its reservation lapsed —
+is followed by another with the tokens streamed so far appended to the prompt (migration by recompute), up
+to `migration_limit` times; a worker lost while the request waits on the *other* phase does not touch it.
+Every way out of `generate` — finished, cancelled by the client, failed — leaves no blocks held: each
+attempt, when it ends, tells the workers that may hold something for it to free it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.block_hash import hash_blocks
 from engine.config import cdiv
-from engine.engine_loop import StepOutput, TokenDelta
-from engine.worker_types import LoadReport
+from engine.messages import LoadReport, TokenDelta
+from router.lifecycle import Attempt, AttemptFailed, Cause, Phase, RequestState, Timing, WorkerLostNotice
 from router.observer import RequestObserver
 from router.placement import PoolKind, PrefillChoice, RoundRobinPrefill, choose_decode, choose_prefill
-from router.pool import Worker
+from router.pool import Worker, WorkerRegistry
 from router.prefix_index import PrefixIndex
 from router.validation import ValidatedRequest
-
-if TYPE_CHECKING:
-    from decode_worker import Reservation
+from router.worker_client import WorkerError
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Router", "RouterConfig", "RouterError", "RouterEvent", "RequestState", "Timing"]
 
 
 class RouterError(Exception):
@@ -47,16 +55,6 @@ class RouterError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class Timing:
-    """Seconds spent in each stage before the first token (and the first decode step after it)."""
-
-    queue: float = 0.0  # arrival -> prefill scheduled (admission wait, placement, worker queue)
-    prefill: float = 0.0  # prefill scheduled -> first token sampled
-    kv_transfer: float = 0.0  # first token sampled -> KV landed on the decode worker
-    decode_admit: float = 0.0  # first token out -> first decode step's token out
 
 
 @dataclass
@@ -69,62 +67,70 @@ class RouterEvent:
     time: float = field(default_factory=time.time)
 
 
-@dataclass
-class RequestState:
-    request_id: str
-    queue: asyncio.Queue  # (TokenDelta, step time) from a decode/colocated worker's stream
-    arrival: float = field(default_factory=time.time)
-    pool: str = ""  # the pool whose TTFT this is: "prefill" or "colocated"
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    num_cached_tokens: int = 0
-    timing: Timing = field(default_factory=Timing)
-    finished: bool = False
+@dataclass(frozen=True)
+class RouterConfig:
+    block_size: int = 16
+    policy: str = "prefix"  # "prefix" | "round-robin"
+    max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
+    admission_timeout_s: float = 60.0  # a request waits this long for room or a live worker, then fails
+    # a prefill worker takes no new prompt while this many prompt tokens wait on it (the one exception: an
+    # idle worker takes any prompt the model admits)
+    max_queued_prefill_tokens: int = 65536
+    migration_limit: int = 3  # attempts after the first, per request
+    call_timeout_s: float = 10.0  # reserve/start/submit/abort: the worker answers between two steps
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("prefix", "round-robin"):
+            raise ValueError(f"routing policy must be 'prefix' or 'round-robin', got {self.policy!r}")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.max_queued_prefill_tokens < 1:
+            raise ValueError(f"--max-queued-prefill-tokens must be >= 1, got {self.max_queued_prefill_tokens}")
 
 
 class Router:
-    def __init__(self, block_size: int, policy: str = "prefix",
-                 max_queue: int = 256, admission_timeout_s: float = 60.0,
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry | None = None,
                  observer: RequestObserver | None = None) -> None:
-        if policy not in ("prefix", "round-robin"):
-            raise ValueError(f"routing policy must be 'prefix' or 'round-robin', got {policy!r}")
-        self.workers: dict[str, Worker] = {}
-        self.block_size = block_size
-        self.choose_prefill = choose_prefill if policy == "prefix" else RoundRobinPrefill()
-        self.max_queue = max_queue
-        self.admission_timeout_s = admission_timeout_s
+        self.config = config
+        self.block_size = config.block_size
+        self.registry = registry or WorkerRegistry()
+        self.registry.on_added.append(self._on_worker_added)
+        self.registry.on_lost.append(self._on_worker_lost)
+        self.choose_prefill = choose_prefill if config.policy == "prefix" else RoundRobinPrefill()
         self.index = PrefixIndex()
-        self.inflight: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}  # by router id
+        self._by_client_id: dict[str, RequestState] = {}
+        self._attempts: dict[str, Attempt] = {}  # by attempt key: where worker messages are routed
+        self._ids = itertools.count(1)
         self.num_queued = 0
-        self._room = asyncio.Event()  # set whenever blocks may have been freed somewhere
+        self.draining = False
+        self._room = asyncio.Event()  # set whenever blocks may have been freed or a worker joined
         self._tasks: set[asyncio.Task] = set()
         self.observer = observer or RequestObserver()
 
     @property
+    def workers(self) -> dict[str, Worker]:
+        return self.registry.workers
+
+    @property
     def disaggregated(self) -> bool:
         return any(w.kind is PoolKind.PREFILL for w in self.workers.values())
-
-    def add_worker(self, worker: Worker) -> None:
-        """A worker is up: place requests on it (and listen to its steps, if it decodes)."""
-        self.workers[worker.worker_id] = worker
-        if worker.kind.decodes:
-            self._spawn(self._consume_steps(worker))
-        self._room.set()
-
-    def remove_worker(self, worker: Worker) -> None:
-        """A worker is gone: never place on it again, and end the requests it was serving."""
-        worker.mark_dead()
-        self.index.remove_worker(worker.worker_id)
-        self.observer.on_worker_lost(worker)
-        for state in list(self.inflight.values()):
-            if worker.worker_id in (state.decode_worker, state.prefill_worker):
-                state.queue.put_nowait((None, time.time()))
 
     async def close(self) -> None:
         """Stop listening to the workers (the deployment is shutting down)."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def drain(self, grace_s: float) -> bool:
+        """Admit nothing more; wait up to `grace_s` for the requests in flight. True if all finished."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.requests
 
     def apply_report(self, worker: Worker, report: LoadReport) -> None:
         worker.apply(report)
@@ -133,118 +139,244 @@ class Router:
             self.index.apply(worker.worker_id, report.stored, report.removed)
         self._room.set()
 
+    # -- workers joining and leaving --------------------------------------------------------------------
+
+    def _on_worker_added(self, worker: Worker) -> None:
+        if worker.kind.decodes:
+            self._spawn(self._consume_steps(worker))
+        self._room.set()
+
+    def _on_worker_lost(self, worker: Worker, why: str) -> None:
+        """Never place on it again; the attempts that depend on it now fail (and migrate)."""
+        self.index.remove_worker(worker.worker_id)
+        self.observer.on_worker_lost(worker)
+        notice = WorkerLostNotice(worker.worker_id, why)
+        for att in list(self._attempts.values()):
+            # NOTE: a prefill worker's loss matters only while the attempt is prefilling on it: a request
+            # already decoding elsewhere holds nothing there.
+            if att.decode is worker or (att.prefill is worker and att.phase <= Phase.PREFILLING):
+                att.worker_lost(notice)
+        self._room.set()
+
+    def on_heartbeat(self, worker: Worker) -> None:
+        """A prefill worker is alive and moving: renew the decode leases of the prompts it is computing."""
+        if worker.kind is not PoolKind.PREFILL:
+            return
+        by_decode: dict[str, list[str]] = defaultdict(list)
+        for att in self._attempts.values():
+            if (att.prefill is worker and att.phase is Phase.PREFILLING and att.reservation is not None
+                    and att.decode is not None and att.decode.alive):
+                by_decode[att.decode.worker_id].append(att.key)
+        for wid, keys in by_decode.items():
+            self._spawn(self._renew(self.workers[wid], keys))
+
+    async def _renew(self, decode: Worker, keys: list[str]) -> None:
+        try:
+            gone = await decode.client.renew(keys, self.config.call_timeout_s)
+        except WorkerError as e:
+            logger.warning("lease renewal on %s failed: %s", decode.worker_id, e)
+            return
+        if gone:
+            logger.warning("reservations %s on %s lapsed before their prefill finished", gone, decode.worker_id)
+
     # -- one request ------------------------------------------------------------------------------------
 
     async def generate(self, req: ValidatedRequest) -> AsyncIterator[tuple[RouterEvent, RequestState]]:
-        rid = req.request_id
-        if rid in self.inflight:
-            raise RouterError("ALREADY_EXISTS", f"request_id: {rid!r} is already in flight")
-        state = self.inflight[rid] = RequestState(rid, asyncio.Queue())
-        arrival = state.arrival
+        if self.draining:
+            raise RouterError("UNAVAILABLE", "the server is shutting down and admits no new request; "
+                              "retry on another replica")
+        if req.request_id in self._by_client_id:
+            raise RouterError("ALREADY_EXISTS", f"request_id: {req.request_id!r} is already in flight")
+        state = RequestState(f"r{next(self._ids)}", req)
+        self.requests[state.id] = self._by_client_id[req.request_id] = state
         try:
-            path = self._disaggregated if self.disaggregated else self._colocated
-            async for event in path(req, state, arrival):
+            async for event in self._run(state):
+                state.generated += event.token_ids
                 if event.finish_reason is not None:
-                    state.finished = True
+                    state.to(Phase.FINISHED)
                 yield event, state
                 if state.finished:
                     return
+        except RouterError:
+            state.to(Phase.FAILED)
+            raise
         finally:
-            del self.inflight[rid]
-            if not state.finished:  # cancelled or failed: free whatever the workers hold for it
-                for wid in {state.prefill_worker, state.decode_worker} - {""}:
-                    self._spawn(self._abort(self.workers[wid], rid))
+            if not state.finished:
+                state.to(Phase.CANCELLED)
+            del self.requests[state.id]
+            del self._by_client_id[req.request_id]
 
-    async def _colocated(self, req: ValidatedRequest, state: RequestState,
-                         arrival: float) -> AsyncIterator[RouterEvent]:
-        ids = req.prompt_token_ids
-        choice = self._choose_prefill(ids)
-        worker = self.workers[choice.worker_id]
-        state.prefill_worker = state.decode_worker = worker.worker_id
-        state.pool = PoolKind.COLOCATED.value
-        await self._call(worker, worker.actor.submit.remote(req.request_id, ids, req.params))
-        first = True
+    async def _run(self, state: RequestState) -> AsyncIterator[RouterEvent]:
+        """Attempts until one finishes the request, or the migration limit is spent."""
         while True:
-            delta, step_time = await self._next_delta(state, worker)
-            if first:
-                state.timing.queue = step_time - arrival  # the colocated engine queues and prefills in one
-                state.num_cached_tokens = delta.num_cached_tokens
-            yield self._event(delta, first)
-            first = False
+            att = state.new_attempt()
+            self._attempts[att.key] = att
+            clean = False
+            try:
+                path = self._disaggregated if self.disaggregated else self._colocated
+                async for event in path(state, att):
+                    yield event
+                clean = True
+                return
+            except AttemptFailed as e:
+                state.failures.append(e)
+                self.observer.on_migration(state, e.cause.value)
+                logger.warning("request %s (%s) attempt %s failed: %s", state.id, state.client_id, att.key, e)
+                if len(state.failures) > self.config.migration_limit:
+                    raise RouterError("UNAVAILABLE", f"request {state.client_id!r} failed {len(state.failures)} "
+                                      f"times (--migration-limit {self.config.migration_limit}): "
+                                      + "; ".join(str(f) for f in state.failures)) from e
+                state.to(Phase.MIGRATING)
+                state.to(Phase.QUEUED)
+            finally:
+                self._end_attempt(att, clean)
+
+    def _end_attempt(self, att: Attempt, clean: bool) -> None:
+        """The attempt is over: route nothing more to it, and free what its workers may hold for it."""
+        del self._attempts[att.key]
+        if clean:
+            return  # the workers ended it themselves (finished), and the reservation was released
+        for worker in {att.prefill, att.decode} - {None}:
+            if worker.alive:
+                self._spawn(self._abort(worker, att.key))
+        self._room.set()
+
+    async def _colocated(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
+        choice = await self._choose_prefill(state, att.prompt)
+        worker = self.workers[choice.worker_id]
+        att.prefill = att.decode = worker
+        state.to(Phase.PREFILLING)
+        first_attempt = not state.generated
+        if first_attempt:
+            state.pool = PoolKind.COLOCATED.value
+        state.prefill_worker = state.decode_worker = worker.worker_id
+        try:
+            await worker.client.submit(att.key, att.prompt, att.params, self.config.call_timeout_s)
+        except WorkerError as e:
+            raise self._call_failed(worker, e, Cause.DECODE_LOST) from e
+        while True:
+            delta = await self._next_delta(att, worker)
+            if state.phase is Phase.PREFILLING:
+                if first_attempt:
+                    state.timing.queue = time.time() - state.arrival  # the engine queues and prefills in one
+                    state.num_cached_tokens = delta.num_cached_tokens
+                state.to(Phase.DECODING)
+            yield RouterEvent(list(delta.token_ids), delta.finish_reason, first=not state.generated)
             if delta.finish_reason is not None:
                 return
 
-    async def _disaggregated(self, req: ValidatedRequest, state: RequestState,
-                             arrival: float) -> AsyncIterator[RouterEvent]:
-        rid, ids = req.request_id, req.prompt_token_ids
-        choice = self._choose_prefill(ids)
-        prefill = self.workers[choice.worker_id]
-        state.prefill_worker = prefill.worker_id
-        state.pool = PoolKind.PREFILL.value
+    async def _disaggregated(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
+        choice = await self._choose_prefill(state, att.prompt)
+        prefill = att.prefill = self.workers[choice.worker_id]
         # NOTE: counted from the moment of choice, so a burst of requests placed together spreads out
-        todo = len(ids) - choice.cached_blocks * self.block_size
+        todo = len(att.prompt) - choice.cached_blocks * self.block_size
         prefill.inflight_prefill_tokens += todo
         try:
-            decode, reservation = await self._reserve(req, prefill)
-            state.decode_worker = decode.worker_id
-            result = await self._call(prefill, prefill.actor.prefill.remote(
-                rid, ids, req.params, reservation.kv_address, reservation.block_ids,
-                reservation.num_cached_blocks))
+            att.decode, att.reservation = await self._reserve(state, att, prefill)
+            state.to(Phase.PREFILLING)
+            result = await self._prefill(att, prefill)
         finally:
             prefill.inflight_prefill_tokens -= todo
-        if result.report is not None:
+        decode = att.decode
+        if result.report is not None and prefill.alive:
             self.apply_report(prefill, result.report)
         if result.kv_bytes or result.kv_failed:
             self.observer.on_kv_transfer(prefill.worker_id, decode.worker_id, result.kv_seconds,
                                          result.kv_bytes, result.ok)
         if not result.ok:
-            raise RouterError("UNAVAILABLE", f"prefill on {prefill.worker_id} failed: {result.error}")
-        t = state.timing
-        t.queue = result.scheduled_at - arrival
-        t.prefill = result.sampled_at - result.scheduled_at
-        t.kv_transfer = result.kv_done_at - result.sampled_at
-        state.num_cached_tokens = result.num_cached_tokens
+            if att.lost_notice is not None:  # the decode worker died under the transfer
+                raise AttemptFailed(Cause.DECODE_LOST, att.lost_notice.worker_id, att.lost_notice.reason)
+            cause = Cause.KV_TRANSFER if result.kv_failed else Cause.WORKER_ERROR
+            raise AttemptFailed(cause, prefill.worker_id, result.error or "prefill failed")
+        first = not state.generated
+        if first:
+            t = state.timing
+            t.queue = result.scheduled_at - state.arrival
+            t.prefill = result.sampled_at - result.scheduled_at
+            t.kv_transfer = result.kv_done_at - result.sampled_at
+            state.pool = PoolKind.PREFILL.value
+            state.num_cached_tokens = result.num_cached_tokens
+        state.prefill_worker, state.decode_worker = prefill.worker_id, decode.worker_id
         if result.finish_reason is not None:  # the first token ends it: release the reservation
-            state.finished = True
-            self._spawn(self._abort(decode, rid))
-        first_out = time.time()
-        yield RouterEvent([result.first_token], result.finish_reason, first=True)
-        if result.finish_reason is not None:
+            self._spawn(self._abort(decode, att.key))
+            yield RouterEvent([result.first_token], result.finish_reason, first=first)
             return
-
-        await self._call(decode, decode.actor.start.remote(rid, result.first_token))
-        first = True
+        # NOTE: `start` before the token reaches the client: if the reservation lapsed, the next attempt
+        # begins from the same place and the client never sees this token twice.
+        try:
+            started = await decode.client.start(att.key, result.first_token, self.config.call_timeout_s)
+        except WorkerError as e:
+            raise self._call_failed(decode, e, Cause.DECODE_LOST) from e
+        if not started:
+            raise AttemptFailed(Cause.RESERVATION, decode.worker_id, "the reservation lapsed before decoding")
+        state.to(Phase.DECODING)
+        first_out = time.time()
+        yield RouterEvent([result.first_token], None, first=first)
+        measuring = first
         while True:
-            delta, _ = await self._next_delta(state, decode)
-            if first and delta.token_ids:
-                t.decode_admit = time.time() - first_out
-                first = False
-            yield self._event(delta, False)
+            delta = await self._next_delta(att, decode)
+            if measuring and delta.token_ids:
+                state.timing.decode_admit = time.time() - first_out
+                measuring = False
+            yield RouterEvent(list(delta.token_ids), delta.finish_reason)
             if delta.finish_reason is not None:
                 return
 
+    async def _prefill(self, att: Attempt, prefill: Worker):
+        """The prefill call, abandoned as soon as either of the attempt's workers is lost."""
+        call = asyncio.ensure_future(prefill.client.prefill(att.key, att.prompt, att.params, att.reservation))
+        lost = asyncio.ensure_future(att.lost.wait())
+        try:
+            await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not call.done():
+                call.cancel()
+        if call.cancelled() or not call.done():
+            n = att.lost_notice
+            cause = Cause.PREFILL_LOST if n.worker_id == prefill.worker_id else Cause.DECODE_LOST
+            raise AttemptFailed(cause, n.worker_id, n.reason)
+        try:
+            return call.result()
+        except WorkerError as e:
+            raise self._call_failed(prefill, e, Cause.PREFILL_LOST) from e
+
     # -- placement and admission ------------------------------------------------------------------------
 
-    def _choose_prefill(self, ids: list[int]) -> PrefillChoice:
-        loads = [w.snapshot() for w in self.workers.values() if w.kind.prefills]
-        choice = self.choose_prefill(hash_blocks(ids, self.block_size), loads, self.index, self.block_size,
-                                     len(ids))
-        if choice is None:
-            raise RouterError("UNAVAILABLE", "no live prefill worker; check the prefill pool")
-        return choice
-
-    async def _reserve(self, req: ValidatedRequest, prefill: Worker) -> tuple[Worker, Reservation]:
-        """A decode worker with room for the prompt's blocks, waiting in the admission queue if none has."""
-        need = cdiv(req.num_prompt_tokens, self.block_size)
-        decoders = [w for w in self.workers.values() if w.kind is PoolKind.DECODE and w.alive]
-        if not decoders:
-            raise RouterError("UNAVAILABLE", "no live decode worker; check the decode pool")
-        largest = max(w.load.total_blocks for w in decoders)
-        if need > largest:
-            raise RouterError("RESOURCE_EXHAUSTED", f"prompt needs {need} KV blocks but the largest decode "
-                              f"worker holds {largest}; shorten the prompt or give decode workers more memory")
-        deadline = time.monotonic() + self.admission_timeout_s
+    async def _choose_prefill(self, state: RequestState, ids: list[int]) -> PrefillChoice:
+        """A live prefill (or colocated) worker for the prompt, waiting for one while none is alive."""
+        kind = PoolKind.PREFILL if self.disaggregated else PoolKind.COLOCATED
+        hashes = hash_blocks(ids, self.block_size)
+        deadline = state.attempt.created + self.config.admission_timeout_s
         while True:
+            live = self.registry.live(kind)
+            if live:
+                limit = self.config.max_queued_prefill_tokens
+                loads = [w.snapshot() for w in live]
+                open_ = [ld for ld in loads if ld.queued_prefill_tokens == 0
+                         or ld.queued_prefill_tokens + len(ids) <= limit]
+                if not open_:
+                    raise RouterError("RESOURCE_EXHAUSTED", f"every {kind.value} worker has more than "
+                                      f"{limit} prompt tokens queued (--max-queued-prefill-tokens); retry later")
+                choice = self.choose_prefill(hashes, open_, self.index, self.block_size, len(ids))
+                assert choice is not None
+                return choice
+            await self._wait_room(deadline, f"no live {kind.value} worker: the {kind.value} pool is being "
+                                  "replaced; check its workers' logs")
+
+    async def _reserve(self, state: RequestState, att: Attempt, prefill: Worker) -> tuple[Worker, object]:
+        """A decode worker with room for the prompt's blocks, waiting in the admission queue if none has."""
+        need = cdiv(len(att.prompt), self.block_size)
+        deadline = att.created + self.config.admission_timeout_s
+        while True:
+            decoders = self.registry.live(PoolKind.DECODE)
+            if not decoders:
+                await self._wait_room(deadline, "no live decode worker: the decode pool is being replaced")
+                continue
+            largest = max(w.load.total_blocks for w in decoders)
+            if need > largest:
+                raise RouterError("RESOURCE_EXHAUSTED", f"prompt needs {need} KV blocks but the largest decode "
+                                  f"worker holds {largest}; shorten the prompt or give decode workers more memory")
             tried: set[str] = set()
             while True:
                 loads = [w.snapshot() for w in decoders if w.worker_id not in tried and w.alive]
@@ -253,80 +385,90 @@ class Router:
                     break
                 tried.add(wid)
                 decode = self.workers[wid]
-                reservation = await self._call(decode, decode.actor.reserve.remote(
-                    req.request_id, req.prompt_token_ids, req.params, prefill.worker_id))
+                try:
+                    reservation = await decode.client.reserve(att.key, att.prompt, att.params,
+                                                              prefill.worker_id, self.config.call_timeout_s)
+                except WorkerError as e:
+                    self._call_failed(decode, e, Cause.DECODE_LOST)
+                    logger.warning("reserve on %s failed: %s", wid, e)
+                    continue
                 if reservation is not None:
+                    if not prefill.alive:  # lost while we waited: give the blocks back, place again
+                        self._spawn(self._abort(decode, att.key))
+                        raise AttemptFailed(Cause.PREFILL_LOST, prefill.worker_id, "lost before its prefill began")
                     return decode, reservation
                 decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
-            if self.num_queued >= self.max_queue:
+            if self.num_queued >= self.config.max_queue:
                 raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
-                                  f"the admission queue is full ({self.max_queue} waiting); retry later")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV blocks "
-                                  f"within {self.admission_timeout_s:.0f}s; retry later")
+                                  f"the admission queue is full ({self.config.max_queue} waiting); retry later")
             self.num_queued += 1
-            self._room.clear()
             try:
-                await asyncio.wait_for(self._room.wait(), timeout=min(remaining, 0.5))
-            except asyncio.TimeoutError:
-                pass
+                await self._wait_room(deadline, f"no decode worker had room for {need} KV blocks within "
+                                      f"{self.config.admission_timeout_s:.0f}s; retry later")
             finally:
                 self.num_queued -= 1
+
+    async def _wait_room(self, deadline: float, why: str) -> None:
+        """Wait until something may have changed (blocks freed, a worker joined); fail past `deadline`."""
+        remaining = deadline - time.time()
+        if remaining <= 0:
+            code = "UNAVAILABLE" if "no live" in why else "RESOURCE_EXHAUSTED"
+            raise RouterError(code, why)
+        self._room.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._room.wait(), timeout=min(remaining, 0.5))
 
     # -- worker streams ---------------------------------------------------------------------------------
 
     async def _consume_steps(self, worker: Worker) -> None:
-        """Fan one decode worker's per-step messages out to its requests, for as long as it lives."""
-        import ray
-
+        """Fan one decode worker's per-step messages out to its attempts, for as long as it lives."""
         try:
-            async for ref in worker.actor.stream_steps.options(num_returns="streaming").remote():
-                out: StepOutput = await ref
+            async for out in worker.client.steps():
                 if out.load is not None:
                     self.apply_report(worker, LoadReport(worker.worker_id, out.load))
                 for delta in out.deltas:
-                    state = self.inflight.get(delta.request_id)
-                    if state is not None:
-                        state.queue.put_nowait((delta, out.time))
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            logger.error("decode worker %s stream ended: %s", worker.worker_id, e)
-        self.remove_worker(worker)
+                    att = self._attempts.get(delta.request_id)
+                    if att is not None:
+                        att.queue.put_nowait(delta)
+            why = "its step stream ended"
+        except WorkerError as e:
+            why = e.reason
+        self.registry.lose(worker, why)
 
-    async def _next_delta(self, state: RequestState, worker: Worker) -> tuple[TokenDelta, float]:
-        delta, step_time = await state.queue.get()
-        if delta is None:
-            raise RouterError("UNAVAILABLE", f"worker {worker.worker_id} died while serving the request")
-        if delta.finish_reason in ("error", "abort"):
-            raise RouterError("UNAVAILABLE" if delta.finish_reason == "error" else "ABORTED",
-                              f"worker {worker.worker_id} ended the request: {delta.finish_reason}")
-        if delta.finish_reason is not None:
+    async def _next_delta(self, att: Attempt, worker: Worker) -> TokenDelta:
+        item = await att.queue.get()
+        if isinstance(item, WorkerLostNotice):
+            cause = Cause.DECODE_LOST if item.worker_id == worker.worker_id else Cause.PREFILL_LOST
+            raise AttemptFailed(cause, item.worker_id, item.reason)
+        if item.finish_reason in ("error", "abort"):
+            raise AttemptFailed(Cause.WORKER_ERROR, worker.worker_id,
+                                item.error or f"the worker ended the sequence ({item.finish_reason})")
+        if item.finish_reason is not None:
             self._room.set()
-        return delta, step_time
+        return item
 
-    @staticmethod
-    def _event(delta: TokenDelta, first: bool) -> RouterEvent:
-        return RouterEvent(list(delta.token_ids), delta.finish_reason, first)
+    def _call_failed(self, worker: Worker, e: WorkerError, cause: Cause) -> AttemptFailed:
+        """A call to `worker` failed: if it found the worker dead, lose it now (before liveness would)."""
+        if e.lost:
+            self.registry.lose(worker, e.reason)
+        return AttemptFailed(cause, worker.worker_id, e.reason)
 
-    async def _call(self, worker: Worker, ref):
-        import ray
-
-        try:
-            return await ref
-        except ray.exceptions.RayActorError as e:
-            self.remove_worker(worker)
-            raise RouterError("UNAVAILABLE", f"worker {worker.worker_id} is gone: {e}") from e
-
-    async def _abort(self, worker: Worker, request_id: str) -> None:
+    async def _abort(self, worker: Worker, key: str) -> None:
         if not worker.alive:
             return
         try:
-            await worker.actor.abort.remote(request_id)
-        except Exception as e:  # noqa: BLE001 - best effort; a dead worker holds nothing
-            logger.warning("abort of %s on %s failed: %s", request_id, worker.worker_id, e)
+            await worker.client.abort(key, self.config.call_timeout_s)
+        except WorkerError as e:  # best effort: a dead worker holds nothing, a stuck one is declared dead
+            self._call_failed(worker, e, Cause.WORKER_ERROR)
+            logger.warning("abort of %s on %s failed: %s", key, worker.worker_id, e)
         self._room.set()
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def attempt_keys(router: Router) -> Callable[[], list[str]]:
+    """The attempt keys the router currently routes messages to (for tests and `describe`)."""
+    return lambda: list(router._attempts)

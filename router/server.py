@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -16,14 +17,14 @@ from grpc_reflection.v1alpha import reflection
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.hub import resolve_model
 from engine.loader import load_config
+from engine.messages import node_identity
 from engine.tokenizer import Tokenizer
-from engine.worker_types import node_identity
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.metrics import Metrics, MetricsEndpoint
 from router.placement import PoolKind
-from router.pool import PoolManager, PoolSpec
-from router.router import Router
+from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry, ray_launcher
+from router.router import Router, RouterConfig
 from router.servicer import GenerationServicer, RequestObserver
 from router.validation import Limits
 
@@ -52,6 +53,11 @@ class ServeConfig:
     max_num_batched_tokens: int = 512  # decode/colocated step budget
     prefill_max_num_batched_tokens: int = 2048  # prefill pool: no decode rows to protect, bigger chunks
     max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
+    admission_timeout_s: float = 60.0  # a request waits this long for KV room or a live worker
+    max_queued_prefill_tokens: int = 65536  # per prefill worker, before RESOURCE_EXHAUSTED
+    migration_limit: int = 3  # re-placements per request after a worker loss or a failed transfer
+    worker_timeout: float = 10.0  # no heartbeat, or no engine progress with work to do, this long: dead
+    shutdown_grace: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     metrics_port: int | None = 9400  # Prometheus /metrics; None -> no metrics endpoint, 0 -> any free port
     device: str | None = None
     dtype: str | None = None
@@ -65,6 +71,13 @@ class ServeConfig:
                              "pass --prefill-workers 0 --decode-workers 0")
         if not self.colocated_workers and not (self.prefill_workers and self.decode_workers):
             raise ValueError("need at least one prefill and one decode worker (or --colocated-workers N)")
+        if self.worker_timeout <= 0.5:
+            raise ValueError(f"--worker-timeout must be > 0.5 seconds (the heartbeat interval), got "
+                             f"{self.worker_timeout}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
         if self.metrics_port is not None:
@@ -83,6 +96,11 @@ class ServeConfig:
                             max_model_len=self.max_model_len, num_threads=threads,
                             cache=CacheConfig(self.block_size, self.num_blocks),
                             scheduler=SchedulerConfig(self.max_num_seqs, budget))
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(self.block_size, self.routing, self.max_queue, self.admission_timeout_s,
+                            self.max_queued_prefill_tokens, self.migration_limit,
+                            call_timeout_s=self.worker_timeout)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:
@@ -116,6 +134,7 @@ class Server:
         self.rendezvous = None
         self.port = config.port
         self._tasks: list[asyncio.Task] = []
+        self._stopped = False
 
     async def start(self) -> None:
         c = self.config
@@ -155,15 +174,53 @@ class Server:
         kv_config = self._kv_config()
         log(f"starting {c.num_workers} workers for {c.model} "
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
-        self.router = Router(c.block_size, c.routing, c.max_queue, observer=self.observer)
-        self.pools = PoolManager(c.pool_specs(), kv_config, on_ready=self.router.add_worker,
-                                 on_lost=self.router.remove_worker, on_report=self.router.apply_report)
+        self.registry = WorkerRegistry()
+        self.router = Router(c.router_config(), self.registry, observer=self.observer)
+        self.pools = PoolManager(c.pool_specs(), self.registry, ray_launcher(kv_config),
+                                 LivenessConfig(worker_timeout_s=c.worker_timeout),
+                                 on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat)
         await self.pools.start()
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         servicer.router = self.router
-        for name in ("", SERVICE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.ensure_future(self._watch_health()))
         log(f"serving {c.model} on {c.host}:{self.port}")
+
+    async def _watch_health(self) -> None:
+        """SERVING while every pool has a live worker and the server admits requests; NOT_SERVING else."""
+        serving = None
+        while True:
+            empty = []
+            for spec in self.pools.specs:
+                live = len(self.pools.live(spec.kind))
+                if self.observer is not None:
+                    self.observer.on_pool_size(spec.kind.value, live, spec.num_workers)
+                if not live and spec.num_workers:
+                    empty.append(spec.kind.value)
+            now = not empty and not self.router.draining
+            if now != serving:
+                status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in ("", SERVICE):
+                    await self.health.set(name, status)
+                if serving is not None:
+                    log("health: SERVING" if now else
+                        f"health: NOT_SERVING ({'draining' if self.router.draining else 'no live worker in the ' + ', '.join(empty) + ' pool'})")
+                serving = now
+            await asyncio.sleep(0.2)
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Graceful stop: admit nothing more (health NOT_SERVING), let in-flight requests finish within
+        `grace_s` (default: the config's shutdown_grace), then stop everything."""
+        grace = self.config.shutdown_grace if grace_s is None else grace_s
+        if self.router is not None:
+            self.router.draining = True
+            for name in ("", SERVICE):
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            n = len(self.router.requests)
+            log(f"shutting down: waiting up to {grace:.0f}s for {n} request(s) in flight")
+            if not await self.router.drain(grace):
+                log(f"shutting down: {len(self.router.requests)} request(s) still in flight after {grace:.0f}s; "
+                    "ending them")
+        await self.stop()
 
     def _kv_config(self):
         from kv_transfer import KVTransferConfig, RendezvousServer
@@ -178,22 +235,24 @@ class Server:
         return KVTransferConfig(kv_transport="torch", rendezvous_host=host, rendezvous_port=self.rendezvous.port)
 
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         for t in self._tasks:
             t.cancel()
         if self.grpc is not None:
             await self.grpc.stop(grace=1.0)
         if self.router is not None:
-            import ray
-
+            await self.pools.close()
             await self.router.close()
-
-            workers = list(self.pools.workers.values())
+            workers = list(self.registry.workers.values())
             # let each worker close its KV links cleanly before the processes go
             with contextlib.suppress(asyncio.TimeoutError):  # dead workers answer with errors, kept quiet
-                await asyncio.wait_for(asyncio.gather(*(w.actor.shutdown.remote() for w in workers if w.alive),
+                await asyncio.wait_for(asyncio.gather(*(w.client.shutdown(10) for w in workers if w.alive),
                                                       return_exceptions=True), timeout=10)
             for w in workers:
-                ray.kill(w.actor)
+                with contextlib.suppress(Exception):
+                    w.client.kill()
         if self.rendezvous is not None:  # after the workers: they hold clients of it
             self.rendezvous.close()
         if self.metrics_endpoint is not None:
@@ -233,10 +292,17 @@ def log(msg: str) -> None:
 
 
 async def serve_forever(config: ServeConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully (see `Server.shutdown`)."""
     init_ray(config.ray_address, config.num_workers)
     server = Server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await server.start()
     try:
-        await server.grpc.wait_for_termination()
+        await stop.wait()
+        log("signal received: draining")
+        await server.shutdown()
     finally:
-        await server.stop()
+        await server.stop()  # idempotent: a no-op after a graceful shutdown

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every node on loopback (see pin_ray_to_loopback)
@@ -18,6 +19,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import grpc  # noqa: E402
 import ray  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -56,8 +58,12 @@ def main() -> None:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     out["node_ips"] = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
-    reference = [o.token_ids for o in LLM("tiny-random", num_blocks=64).generate(
+    llm = LLM("tiny-random", num_blocks=64)
+    reference = [o.token_ids for o in llm.generate(
         PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+    long_reference = llm.generate(["interrupted"], SamplingParams(max_tokens=400, temperature=0,
+                                                                   ignore_eos=True))[0].token_ids
+    del llm
 
     # locality: one decode worker per node; decode should follow the prefill worker onto the head node
     server = RunningServer(ServeConfig(
@@ -74,7 +80,7 @@ def main() -> None:
     server = RunningServer(ServeConfig(
         model="tiny-random", ray_address=cluster.address, port=0, metrics_port=0, worker_threads=1,
         num_blocks=64, prefill_resources={"CPU": 1, "prefill_node": 1},
-        decode_resources={"CPU": 1, "decode_node": 1}))
+        decode_resources={"CPU": 1, "decode_node": 1}, admission_timeout_s=120.0))
     try:
         out["nodes_before"] = pools(server)
         out["head_node"] = ray.get_runtime_context().get_node_id()
@@ -90,30 +96,42 @@ def main() -> None:
         out["kv_bytes"] = registry.get_sample_value(
             "pdserve_kv_transfer_bytes_total", {"model": "tiny-random", "src": "prefill-0", "dst": "decode-0"})
 
-        # the decode node leaves mid-stream: the stream ends UNAVAILABLE, the pool shrinks
-        stream = server.stub.Generate(greedy_request("interrupted", 400, ignore_eos=True), timeout=60)
-        next(stream)
+        # the decode node leaves mid-stream: the pool shrinks, health says NOT_SERVING, and the stream
+        # waits for a decode worker to continue on
+        stream = server.stub.Generate(greedy_request("interrupted", 400, ignore_eos=True), timeout=180)
+        got = list(next(stream).token_ids)
         cluster.remove_node(decode_node)
-        try:
-            for _ in stream:
-                pass
-            out["mid_stream"] = "completed"
-        except grpc.RpcError as e:
-            out["mid_stream"] = e.code().name
-        wait_for(lambda: "decode-0" not in pools(server), 30, "the lost decode worker to leave the pool")
-        try:
-            server.generate(greedy_request("no decoder", 4))
-            out["while_gone"] = "OK"
-        except grpc.RpcError as e:
-            out["while_gone"] = e.code().name
-            out["while_gone_details"] = e.details()
+        mid: dict = {}
 
-        # a node with the decode resource joins: the pool grows back to its target
+        def consume() -> None:
+            try:
+                for r in stream:
+                    got.extend(r.token_ids)
+                mid["status"] = "completed"
+            except grpc.RpcError as e:
+                mid["status"] = f"{e.code().name}: {e.details()}"
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        wait_for(lambda: "decode-0" not in pools(server), 30, "the lost decode worker to leave the pool")
+        health = health_pb2_grpc.HealthStub(server.channel)
+        status = wait_for(lambda: (s := health.Check(health_pb2.HealthCheckRequest(service="")).status)
+                          == health_pb2.HealthCheckResponse.NOT_SERVING and s, 10, "health NOT_SERVING")
+        out["health_while_gone"] = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        out["stream_waiting_while_gone"] = consumer.is_alive()
+
+        # a node with the decode resource joins: the pool grows back to its target, the stream goes on
         new_node = cluster.add_node(**node_args("decode_node"))
         after = wait_for(lambda: (p := pools(server)) and any(k.startswith("decode") for k in p) and p, 90,
                          "a replacement decode worker")
         out["nodes_after"] = after
         out["new_decode_node"] = new_node.node_id
+        consumer.join(150)
+        out["mid_stream"] = mid.get("status", "still running")
+        out["mid_stream_equal"] = got == long_reference
+        out["health_after"] = health_pb2.HealthCheckResponse.ServingStatus.Name(wait_for(
+            lambda: (s := health.Check(health_pb2.HealthCheckRequest(service="")).status)
+            == health_pb2.HealthCheckResponse.SERVING and s, 10, "health SERVING"))
         res = server.generate(greedy_request(PROMPTS[0], 12, ignore_eos=True))
         out["after_equal"] = token_ids(res) == reference[0]
         out["after_served_by"] = [res[-1].prefill_worker_id, res[-1].decode_worker_id]

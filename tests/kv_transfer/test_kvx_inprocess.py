@@ -325,3 +325,69 @@ def test_a_sender_of_another_wire_protocol_is_told_why_and_nothing_crashes(rende
     finally:
         p.sender.close()
         p.receiver.close()
+
+
+def test_garbage_on_the_accept_queue_is_dropped_and_links_still_form(rendezvous, caplog):
+    """Anything can reach the store, so the receiver's accept queue may hold junk: not JSON, the wrong
+    shape, huge blobs, a stray close sentinel. Each is logged and dropped; the listener lives on, and the
+    next real link request (a fresh sender's, after the junk) still forms a link that lands bit-exact."""
+    import json
+    import logging
+
+    from kv_transfer.rendezvous import MAX_LINK_REQUEST_BYTES, accept_queue_key, connect_store
+
+    good = {"sender": "s", "link_id": "abc", "device": "cpu"}
+    garbage: list[bytes | str] = [
+        b"", b"not json", b"\xff\xfe\xfd\x00", b"[1, 2, 3]", b"null", b'"a string"', b"{", b"[" * 100_000,
+        json.dumps({"sender": "s"}), json.dumps({**good, "extra": 1}), json.dumps({**good, "sender": 7}),
+        json.dumps({**good, "link_id": ""}), json.dumps({**good, "link_id": "../../evil"}),
+        json.dumps({**good, "device": "tpu"}), json.dumps({**good, "sender": "x" * 1000}),
+        json.dumps({**good, "sender": None}), json.dumps({**good, "device": ["cpu"]}),
+        torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        .numpy().tobytes(),
+        b"x" * (MAX_LINK_REQUEST_BYTES + 1),
+        b"close",  # not from the receiver's own close(): must not stop the listener
+    ]
+    p = make_pair("torch", rendezvous.port)
+    extra = None
+    try:
+        cfg = make_config("torch", rendezvous.port)
+        store = connect_store(HOST, rendezvous.port, cfg.connect_timeout_s)
+        address = p.receiver.address
+        queue = accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation)
+
+        def push_garbage_and_drain() -> None:
+            with caplog.at_level(logging.WARNING, logger=torch_transport.__name__):
+                caplog.clear()
+                for entry in garbage:
+                    store.queue_push(queue, entry)
+                deadline = time.monotonic() + 10
+                while store.queue_len(queue) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert store.queue_len(queue) == 0, "the listener stopped draining its queue"
+                time.sleep(0.1)  # the last pop is logged just after the queue empties
+            dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
+            assert len(dropped) == len(garbage), [r.getMessage() for r in caplog.records]
+            assert all(len(r.getMessage()) < 500 for r in dropped), "a junk entry flooded the log"
+
+        def transfer(sender: KVSender, rid: str, n: int) -> None:
+            src, dst = p.tx.allocator.allocate(n), p.rx.allocator.allocate(n)
+            assert src is not None and dst is not None
+            p.receiver.expect(rid, sender.endpoint_id, dst, time.monotonic() + 10)
+            sender.begin(rid, p.receiver.address, src, dst, time.monotonic() + 10)
+            for layer in range(SPEC.num_layers):
+                sender.send_layer(rid, layer)
+            rx, tx = p.receiver.wait(rid, 10), sender.wait(rid, 10)
+            assert rx.ok and tx.ok, (rx.error, tx.error)
+            assert landed(p, src, dst)
+
+        push_garbage_and_drain()
+        transfer(p.sender, "after-garbage", 5)  # the sender's first link: formed after the junk
+        push_garbage_and_drain()
+        extra = create_sender(cfg, "prefill-late", p.tx.cache, HOST)
+        transfer(extra, "fresh-sender", 3)  # a new link from a new sender, after more junk
+    finally:
+        if extra is not None:
+            extra.close()
+        p.sender.close()
+        p.receiver.close()

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from engine.llm_engine import EngineLoad
+from engine.messages import EngineLoad, LoadReport, WorkerInfo
 from engine.sampling_params import SamplingParams
-from engine.worker_types import LoadReport, WorkerInfo
 from router.metrics import Metrics
 from router.placement import PoolKind, WorkerLoad
 from router.pool import Worker
@@ -31,7 +28,7 @@ def request(rid: str, prompt: int = 32) -> ValidatedRequest:
 
 def state(rid: str, pool: str = "prefill", prefill: str = "prefill-0", decode: str = "decode-0",
           arrival: float = 1000.0, cached: int = 0) -> RequestState:
-    st = RequestState(rid, asyncio.Queue(), arrival=arrival, pool=pool, prefill_worker=prefill,
+    st = RequestState(rid, request(rid), arrival=arrival, pool=pool, prefill_worker=prefill,
                       decode_worker=decode, num_cached_tokens=cached)
     st.timing = Timing(queue=0.01, prefill=0.02, kv_transfer=0.003, decode_admit=0.004)
     return st
@@ -57,4 +54,7 @@ def drive_every_hook(m: Metrics) -> None:
     m.on_kv_transfer("prefill-0", "decode-0", 0.002, 4096, True)
     m.on_kv_transfer("prefill-0", "decode-0", 0.0, 0, False)
     for i, outcome in enumerate(("stop", "length", "cancelled", "error")):
-        stream(m, f"r{i}", [1, 1, 1], outcome, cached=16)
+        st = stream(m, f"r{i}", [1, 1, 1], outcome, cached=16)
+    m.on_migration(st, "decode_lost")
+    m.on_pool_size("prefill", 1, 1)
+    m.on_worker_lost(d)

@@ -14,7 +14,7 @@ from router.cli import _add_serve
 from router.metrics import ITL_BUCKETS, TTFT_BUCKETS, Metrics, MetricsEndpoint
 from router.placement import PoolKind
 from router.server import ServeConfig, Server
-from tests.observability.factories import MODEL, drive_every_hook, report, request, stream, worker
+from tests.observability.factories import MODEL, drive_every_hook, report, request, state, stream, worker
 
 # The list: family name (as prometheus_client names it) -> (type, labels)
 EXPECTED = {
@@ -33,6 +33,11 @@ EXPECTED = {
     "pdserve_kv_transfer_seconds": ("histogram", {"model", "src", "dst"}),
     "pdserve_kv_transfer_bytes": ("counter", {"model", "src", "dst"}),
     "pdserve_kv_transfer_failures": ("counter", {"model", "src", "dst"}),
+    "pdserve_request_migrations": ("counter", {"model", "cause"}),
+    "pdserve_workers_lost": ("counter", {"model", "pool"}),
+    "pdserve_pool_live_workers": ("gauge", {"model", "pool"}),
+    "pdserve_pool_target_workers": ("gauge", {"model", "pool"}),
+    "pdserve_pool_serving": ("gauge", {"model", "pool"}),
 }
 
 
@@ -141,6 +146,23 @@ def test_load_reports_set_per_worker_gauges_and_zero_failure_counters_per_pair()
 
     m.on_worker_lost(d)
     assert m.registry.get_sample_value("pdserve_num_requests_running", {"model": MODEL, **labels}) is None
+    assert value(m, "pdserve_workers_lost_total", pool="decode") == 1
+
+
+def test_migrations_by_cause_and_pool_sizes():
+    m = Metrics(MODEL)
+    st = state("r1")
+    m.on_migration(st, "decode_lost")
+    m.on_migration(st, "decode_lost")
+    m.on_migration(st, "prefill_lost")
+    assert value(m, "pdserve_request_migrations_total", cause="decode_lost") == 2
+    assert value(m, "pdserve_request_migrations_total", cause="prefill_lost") == 1
+    m.on_pool_size("prefill", 0, 2)
+    assert value(m, "pdserve_pool_serving", pool="prefill") == 0
+    assert value(m, "pdserve_pool_target_workers", pool="prefill") == 2
+    m.on_pool_size("prefill", 1, 2)
+    assert value(m, "pdserve_pool_serving", pool="prefill") == 1
+    assert value(m, "pdserve_pool_live_workers", pool="prefill") == 1
 
 
 def test_kv_transfers_observe_latency_and_bytes_and_count_failures():

@@ -37,7 +37,7 @@ class RunningServer:
         import ray
 
         workers = [w for w in self.server.router.workers.values() if w.alive]
-        return {w.worker_id: r for w, r in zip(workers, ray.get([w.actor.report.remote() for w in workers]))}
+        return {w.worker_id: r for w, r in zip(workers, ray.get([w.client.actor.report.remote() for w in workers]))}
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Wait until no worker holds a block or runs a sequence; return the reports either way."""

@@ -1,0 +1,124 @@
+"""Plain data that crosses a process boundary between the router and the workers (Ray pickles these).
+
+No torch and no behaviour here: the router imports this module and must never load the model. Every id a
+worker sees is the router's *attempt key* (see `router.lifecycle`), never the client's request id, so two
+requests (or two attempts of one request) never share state in any worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.block_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of one engine's load, what the router's placement policy weighs."""
+
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
+    free_blocks: int
+    total_blocks: int
+    cached_blocks: int
+
+
+@dataclass
+class TokenDelta:
+    request_id: str  # the router's attempt key
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" on the last delta of a request
+    num_cached_tokens: int = 0
+    error: str | None = None  # why, when finish_reason is "error"
+
+
+@dataclass
+class StepOutput:
+    step: int  # the engine step that produced these deltas; 0 for deltas sent between steps
+    time: float  # when the step's tokens were sampled (time.time(), comparable across processes)
+    deltas: list[TokenDelta] = field(default_factory=list)
+    load: EngineLoad | None = None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A worker's answer to `ping`, given by its actor thread, not its engine thread: a worker that answers
+    but whose engine loop has not moved for long while it has work is stuck."""
+
+    worker_id: str
+    loop_age_s: float  # seconds since the engine loop last finished a step or an idle wait
+    busy: bool  # the loop has scheduled work or transfers in flight
+    loop_alive: bool  # the loop thread is running
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    kind: str  # "prefill" | "decode" | "colocated"
+    node_id: str
+    node_ip: str
+    block_size: int
+    num_blocks: int
+    kv_address: Any = None  # a decode worker's KV receiver address (kv_transfer.PeerAddress)
+    pid: int = 0  # the actor's process (operators and the chaos tests signal it)
+
+
+@dataclass
+class LoadReport:
+    """A worker's load plus the prefix-cache changes since its last report (for the router's index)."""
+
+    worker_id: str
+    load: EngineLoad
+    stored: list[BlockHash] = field(default_factory=list)
+    removed: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode blocks held for one attempt's prompt, and where its KV goes."""
+
+    kv_address: Any  # kv_transfer.PeerAddress of the decode worker's receiver
+    block_ids: list[int]  # the decode worker's table for the whole prompt
+    num_cached_blocks: int  # leading blocks already held by the decode worker's prefix cache: not sent
+    lease_s: float  # the reservation lapses this long after its last renewal (see `DecodeWorker.renew`)
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    first_token: int | None  # None when it failed
+    finish_reason: str | None  # set when the first token already ends the request ("stop" | "length")
+    num_cached_tokens: int  # prompt tokens this worker's prefix cache served
+    error: str | None = None
+    # wall-clock instants (time.time()) for the router's TTFT breakdown
+    scheduled_at: float = 0.0
+    sampled_at: float = 0.0
+    kv_done_at: float = 0.0
+    kv_seconds: float = 0.0  # transfer opened -> every layer acknowledged (overlaps the prefill compute)
+    kv_bytes: int = 0
+    kv_failed: bool = False  # the error, if any, is the KV transfer's
+    report: LoadReport | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def node_identity() -> tuple[str, str]:
+    """(node id, node IP) of the calling process as Ray knows them; ("local", "127.0.0.1") outside Ray.
+
+    NOTE: the IP is the one the Ray node was started with (127.0.0.1 on a pinned local cluster), looked up in
+    the cluster table; `ray.util.get_node_ip_address()` would guess from the routing table instead and
+    return the machine's network address.
+    """
+    try:
+        import ray
+    except ImportError:
+        return "local", "127.0.0.1"
+    if not ray.is_initialized():
+        return "local", "127.0.0.1"
+    node_id = ray.get_runtime_context().get_node_id()
+    ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+    return node_id, ip

@@ -1,0 +1,162 @@
+"""One request's life in the router: an ordered phase enum, its legal moves, and its attempts.
+
+    QUEUED ──► PREFILLING ──► DECODING ──► FINISHED
+      ▲            │              │
+      │            ▼              ▼
+      └──────── MIGRATING ◄───────┘         (any live phase) ──► FAILED | CANCELLED
+
+A request is served by one or more *attempts*. Each attempt has its own key (`<request id>.<n>`), the only
+id any worker ever sees, so nothing of an earlier attempt (late tokens, an abort, a lapsed reservation) can
+touch a later one, and two client requests never share state in a worker even when they carry the same
+client `request_id`. An attempt that fails (a worker lost, a KV transfer failed, a reservation lapsed)
+moves the request to MIGRATING; the router then places it again with prompt + the tokens already streamed
+as the new prompt, so the client's stream goes on with no duplicate and no missing token.
+
+NOTE: on the disaggregated path PREFILLING covers the KV transfer too: the prefill worker pushes each
+layer's KV while the next computes, and answers once both are done, so the router sees no edge between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.messages import Reservation, TokenDelta
+from engine.sampling_params import SamplingParams
+from router.validation import ValidatedRequest
+
+if TYPE_CHECKING:
+    from router.pool import Worker
+
+
+class Phase(enum.IntEnum):
+    QUEUED = enum.auto()  # waiting for placement: a live worker, KV room, admission
+    PREFILLING = enum.auto()  # on a prefill worker (or colocated engine), KV on its way to the decode worker
+    DECODING = enum.auto()  # the first token is out; the decode worker streams the rest
+    MIGRATING = enum.auto()  # an attempt failed; about to be placed again
+    FINISHED = enum.auto()  # stop or length: the client got every token
+    FAILED = enum.auto()  # ended with an error status
+    CANCELLED = enum.auto()  # the client went away
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= Phase.FINISHED
+
+
+_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.QUEUED: frozenset({Phase.PREFILLING, Phase.MIGRATING}),
+    Phase.PREFILLING: frozenset({Phase.DECODING, Phase.MIGRATING, Phase.FINISHED}),
+    Phase.DECODING: frozenset({Phase.MIGRATING, Phase.FINISHED}),
+    Phase.MIGRATING: frozenset({Phase.QUEUED}),
+}
+_ENDS = frozenset({Phase.FAILED, Phase.CANCELLED})  # reachable from every phase that is not final
+
+
+class Cause(str, enum.Enum):
+    """Why an attempt failed (the `cause` label of the migration metric)."""
+
+    PREFILL_LOST = "prefill_lost"  # the prefill worker died or was declared dead mid-prefill
+    DECODE_LOST = "decode_lost"  # the decode (or colocated) worker died or was declared dead
+    KV_TRANSFER = "kv_transfer"  # the KV transfer failed or timed out
+    RESERVATION = "reservation"  # the decode reservation lapsed or failed before decoding began
+    WORKER_ERROR = "worker_error"  # the worker ended the sequence with an error (a failed engine step)
+
+
+class AttemptFailed(Exception):
+    def __init__(self, cause: Cause, worker_id: str, reason: str) -> None:
+        super().__init__(f"{cause.value} on {worker_id}: {reason}")
+        self.cause = cause
+        self.worker_id = worker_id
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class WorkerLostNotice:
+    """Put on an attempt's queue when a worker it depends on is lost."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclass(eq=False)
+class Attempt:
+    key: str  # the id every worker knows this attempt by
+    prompt: list[int]  # the original prompt + every token already streamed to the client
+    params: SamplingParams  # max_tokens reduced by the tokens already streamed
+    prefill: Worker | None = None
+    decode: Worker | None = None
+    reservation: Reservation | None = None
+    phase: Phase = Phase.QUEUED
+    # the decode worker's deltas for this attempt, or a WorkerLostNotice
+    queue: asyncio.Queue[TokenDelta | WorkerLostNotice] = field(default_factory=asyncio.Queue)
+    # set when a worker this attempt waits on is lost (wakes a pending prefill call)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    lost_notice: WorkerLostNotice | None = None
+    created: float = field(default_factory=time.time)  # waits for room or a live worker count from here
+
+    def worker_lost(self, notice: WorkerLostNotice) -> None:
+        if self.lost_notice is None:
+            self.lost_notice = notice
+        self.lost.set()
+        self.queue.put_nowait(notice)
+
+
+@dataclass
+class Timing:
+    """Seconds spent in each stage before the first token (and the first decode step after it)."""
+
+    queue: float = 0.0  # arrival -> prefill scheduled (admission wait, placement, worker queue)
+    prefill: float = 0.0  # prefill scheduled -> first token sampled
+    kv_transfer: float = 0.0  # first token sampled -> KV landed on the decode worker
+    decode_admit: float = 0.0  # first token out -> first decode step's token out
+
+
+@dataclass
+class RequestState:
+    """What the router knows of one request; `id` is the router's, `client_id` only a label."""
+
+    id: str
+    req: ValidatedRequest
+    arrival: float = field(default_factory=time.time)
+    phase: Phase = Phase.QUEUED
+    generated: list[int] = field(default_factory=list)  # tokens already streamed to the client
+    attempt: Attempt | None = None
+    num_attempts: int = 0
+    failures: list[AttemptFailed] = field(default_factory=list)
+    # of the attempt that produced the first token (what metrics and the response report)
+    pool: str = ""  # the pool whose TTFT this is: "prefill" or "colocated"
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    num_cached_tokens: int = 0
+    timing: Timing = field(default_factory=Timing)
+    history: list[Phase] = field(default_factory=lambda: [Phase.QUEUED])
+
+    @property
+    def client_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self.phase.is_finished
+
+    def to(self, phase: Phase) -> None:
+        assert phase in _MOVES.get(self.phase, frozenset()) or (phase in _ENDS and not self.phase.is_finished), \
+            f"request {self.id}: illegal move {self.phase.name} -> {phase.name}"
+        self.phase = phase
+        self.history.append(phase)
+        if self.attempt is not None and not phase.is_finished and phase is not Phase.MIGRATING:
+            self.attempt.phase = phase
+
+    def new_attempt(self) -> Attempt:
+        """The next attempt: the prompt so far, and what is left of max_tokens."""
+        self.num_attempts += 1
+        params = self.req.params
+        if self.generated:
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - len(self.generated))
+        self.attempt = Attempt(f"{self.id}.{self.num_attempts}", self.req.prompt_token_ids + self.generated,
+                               params)
+        return self.attempt

@@ -1,0 +1,153 @@
+"""How the router talks to one worker: a small async interface, and its implementation over a Ray actor.
+
+The router never touches an actor handle itself. Everything it needs from a worker is a method here, and
+every way a call can fail is one exception, `WorkerError`, that says whether the worker is gone (`lost`)
+or only slow or unreachable for now. So the request lifecycle is testable with in-process fakes, no Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.messages import Heartbeat, LoadReport, PrefillResult, Reservation, StepOutput, WorkerInfo
+from engine.sampling_params import SamplingParams
+
+
+class Failure(enum.Enum):
+    LOST = "lost"  # the worker is dead: its actor died or was killed
+    TIMEOUT = "timeout"  # no answer in time: stopped, stuck or cut off (liveness decides what it means)
+    UNAVAILABLE = "unavailable"  # transiently unreachable (Ray's ActorUnavailableError): not death
+
+
+class WorkerError(Exception):
+    """A call to a worker failed, and how (`failure`)."""
+
+    def __init__(self, worker_id: str, reason: str, failure: Failure) -> None:
+        super().__init__(f"worker {worker_id} {'is gone' if failure is Failure.LOST else 'did not answer'}: "
+                         f"{reason}")
+        self.worker_id = worker_id
+        self.reason = reason
+        self.failure = failure
+
+    @property
+    def lost(self) -> bool:
+        return self.failure is Failure.LOST
+
+
+class WorkerClient(ABC):
+    """One worker, as the router sees it. Request ids passed here are the router's attempt keys."""
+
+    worker_id: str
+
+    @abstractmethod
+    async def info(self) -> WorkerInfo: ...
+
+    @abstractmethod
+    async def ping(self, timeout: float) -> Heartbeat:
+        """Answered by the worker's actor thread: proves the process lives and says whether its engine
+        loop moves."""
+
+    @abstractmethod
+    async def report(self, timeout: float) -> LoadReport: ...
+
+    @abstractmethod
+    async def reserve(self, key: str, prompt: list[int], params: SamplingParams, src: str,
+                      timeout: float) -> Reservation | None: ...
+
+    @abstractmethod
+    async def renew(self, keys: list[str], timeout: float) -> list[str]:
+        """Renew these reservations' leases; returns the keys no longer reserved."""
+
+    @abstractmethod
+    async def prefill(self, key: str, prompt: list[int], params: SamplingParams,
+                      reservation: Reservation) -> PrefillResult:
+        """No timeout: a long prompt takes what it takes; liveness watches the worker meanwhile."""
+
+    @abstractmethod
+    async def start(self, key: str, first_token: int, timeout: float) -> bool: ...
+
+    @abstractmethod
+    async def submit(self, key: str, prompt: list[int], params: SamplingParams, timeout: float) -> None: ...
+
+    @abstractmethod
+    async def abort(self, key: str, timeout: float) -> None: ...
+
+    @abstractmethod
+    def steps(self) -> AsyncIterator[StepOutput]:
+        """The worker's per-step messages, until it dies (then WorkerError with Failure.LOST)."""
+
+    @abstractmethod
+    async def shutdown(self, timeout: float) -> None: ...
+
+    @abstractmethod
+    def kill(self) -> None:
+        """End the worker now (declared dead: stuck or unreachable). Idempotent."""
+
+
+class RayWorkerClient(WorkerClient):
+    """A worker that is a Ray actor (`PrefillWorker` or `DecodeWorker`)."""
+
+    def __init__(self, worker_id: str, actor: Any) -> None:
+        self.worker_id = worker_id
+        self.actor = actor
+
+    async def _call(self, ref, timeout: float | None):
+        import ray
+
+        try:
+            return await (asyncio.wait_for(ref, timeout) if timeout is not None else ref)
+        except asyncio.TimeoutError as e:
+            raise WorkerError(self.worker_id, f"no answer within {timeout:.3g}s", Failure.TIMEOUT) from e
+        except ray.exceptions.ActorUnavailableError as e:  # restarting or a broken connection: transient
+            raise WorkerError(self.worker_id, f"unavailable: {e}", Failure.UNAVAILABLE) from e
+        except ray.exceptions.RayActorError as e:
+            raise WorkerError(self.worker_id, f"actor died: {e}", Failure.LOST) from e
+
+    async def info(self) -> WorkerInfo:
+        return await self._call(self.actor.info.remote(), None)
+
+    async def ping(self, timeout: float) -> Heartbeat:
+        return await self._call(self.actor.ping.remote(), timeout)
+
+    async def report(self, timeout: float) -> LoadReport:
+        return await self._call(self.actor.report.remote(), timeout)
+
+    async def reserve(self, key, prompt, params, src, timeout):
+        return await self._call(self.actor.reserve.remote(key, prompt, params, src), timeout)
+
+    async def renew(self, keys: list[str], timeout: float) -> list[str]:
+        return await self._call(self.actor.renew.remote(keys), timeout)
+
+    async def prefill(self, key, prompt, params, reservation):
+        return await self._call(self.actor.prefill.remote(key, prompt, params, reservation), None)
+
+    async def start(self, key: str, first_token: int, timeout: float) -> bool:
+        return await self._call(self.actor.start.remote(key, first_token), timeout)
+
+    async def submit(self, key, prompt, params, timeout):
+        await self._call(self.actor.submit.remote(key, prompt, params), timeout)
+
+    async def abort(self, key: str, timeout: float) -> None:
+        await self._call(self.actor.abort.remote(key), timeout)
+
+    async def steps(self) -> AsyncIterator[StepOutput]:
+        import ray
+
+        try:
+            async for ref in self.actor.stream_steps.options(num_returns="streaming").remote():
+                yield await ref
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            raise WorkerError(self.worker_id, f"step stream ended: {e}", Failure.LOST) from e
+        raise WorkerError(self.worker_id, "step stream ended", Failure.LOST)
+
+    async def shutdown(self, timeout: float) -> None:
+        await self._call(self.actor.shutdown.remote(), timeout)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)

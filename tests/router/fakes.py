@@ -1,0 +1,271 @@
+"""In-process fake workers for the router's lifecycle tests: no Ray, no model, milliseconds per test.
+
+A fake worker keeps the books a real one keeps — blocks held per attempt key, reservations, running
+sequences — and "computes" with a toy model whose next token is a pure function of the sequence so far
+(`next_token`), so a request migrated mid-stream must produce exactly the tokens of an undisturbed run.
+Tests kill (`die`), stall (`stall`) or script failures into it and read what the router did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from engine.config import cdiv
+from engine.messages import (
+    EngineLoad,
+    Heartbeat,
+    LoadReport,
+    PrefillResult,
+    Reservation,
+    StepOutput,
+    TokenDelta,
+    WorkerInfo,
+)
+from engine.sampling_params import SamplingParams
+from router.placement import PoolKind
+from router.pool import WorkerRegistry, make_worker
+from router.router import Router, RouterConfig
+from router.validation import ValidatedRequest
+from router.worker_client import Failure, WorkerClient, WorkerError
+
+BLOCK = 4
+
+
+def next_token(seq: list[int]) -> int:
+    return (sum(seq) * 31 + len(seq)) % 997 + 3
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+class FakeWorker(WorkerClient):
+    def __init__(self, worker_id: str, kind: PoolKind, num_blocks: int = 64, node: str = "node-0",
+                 step_s: float = 0.002) -> None:
+        self.worker_id = worker_id
+        self.kind = kind
+        self.num_blocks = num_blocks
+        self.node = node
+        self.step_s = step_s
+        self.held: dict[str, int] = {}  # attempt key -> blocks
+        self.reserved: dict[str, tuple[list[int], int]] = {}  # decode: key -> (prompt, max_tokens)
+        self.running: dict[str, tuple[list[int], int]] = {}  # key -> (sequence, tokens left)
+        self.keys: list[str] = []  # every key this worker was asked about, in order
+        self.renewed: list[str] = []
+        self.dead = False
+        self.killed = False
+        self.running_gate = asyncio.Event()
+        self.running_gate.set()  # cleared: the worker is stalled (SIGSTOP)
+        self.prefill_gate = asyncio.Event()
+        self.prefill_gate.set()  # cleared: prefills wait (a long prompt, a deep queue)
+        self.prefill_started = asyncio.Event()
+        self.fail_next_prefill: str | None = None  # "kv" | "error": the next prefill answers with this failure
+        self.lapse_next_start = False
+        self.error_next_step = False
+        self.reserve_full = False
+        self._outbox: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._loop_task: asyncio.Task | None = None
+
+    # -- test controls --------------------------------------------------------------------------------
+
+    def die(self) -> None:
+        self.dead = True
+        self.held.clear()  # a dead process holds nothing
+        self.running.clear()
+        self.reserved.clear()
+        self.running_gate.set()
+        self.prefill_gate.set()
+        self._outbox.put_nowait(None)
+
+    def stall(self) -> None:
+        self.running_gate.clear()
+
+    @property
+    def blocks_in_use(self) -> int:
+        return sum(self.held.values())
+
+    # -- WorkerClient ---------------------------------------------------------------------------------
+
+    async def _enter(self) -> None:
+        if self.dead:
+            raise WorkerError(self.worker_id, "actor died", Failure.LOST)
+        await self.running_gate.wait()
+        if self.dead:
+            raise WorkerError(self.worker_id, "actor died", Failure.LOST)
+
+    async def _timed(self, coro, timeout: float):
+        try:
+            return await asyncio.wait_for(coro, timeout)
+        except asyncio.TimeoutError as e:
+            raise WorkerError(self.worker_id, f"no answer within {timeout}s", Failure.TIMEOUT) from e
+
+    async def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.kind.value, self.node, "127.0.0.1", BLOCK, self.num_blocks)
+
+    async def ping(self, timeout: float) -> Heartbeat:
+        await self._timed(self._enter(), timeout)
+        return Heartbeat(self.worker_id, 0.0, bool(self.running), True)
+
+    async def report(self, timeout: float) -> LoadReport:
+        await self._timed(self._enter(), timeout)
+        return LoadReport(self.worker_id, self._load())
+
+    def _load(self) -> EngineLoad:
+        free = self.num_blocks - self.blocks_in_use
+        return EngineLoad(len(self.running), 0, 0, free, self.num_blocks, 0)
+
+    async def reserve(self, key, prompt, params, src, timeout):
+        await self._timed(self._enter(), timeout)
+        self.keys.append(key)
+        assert key not in self.held, f"{key} reserved twice on {self.worker_id}"
+        need = cdiv(len(prompt), BLOCK)
+        if self.reserve_full or need > self.num_blocks - self.blocks_in_use:
+            return None
+        self.held[key] = need
+        self.reserved[key] = (list(prompt), params.max_tokens)
+        return Reservation(None, list(range(need)), 0, 30.0)
+
+    async def renew(self, keys, timeout):
+        await self._timed(self._enter(), timeout)
+        self.renewed += keys
+        return [k for k in keys if k not in self.reserved]
+
+    async def prefill(self, key, prompt, params: SamplingParams, reservation) -> PrefillResult:
+        await self._enter()
+        self.keys.append(key)
+        self.held[key] = cdiv(len(prompt), BLOCK)
+        self.prefill_started.set()
+        await self.prefill_gate.wait()
+        await self._enter()
+        self.held.pop(key, None)
+        failure, self.fail_next_prefill = self.fail_next_prefill, None
+        if failure is not None:
+            return PrefillResult(key, None, None, 0, f"injected {failure} failure", kv_failed=failure == "kv")
+        token = next_token(prompt)
+        finish = "length" if params.max_tokens == 1 else None
+        return PrefillResult(key, token, finish, 0, scheduled_at=1.0, sampled_at=1.0, kv_done_at=1.0)
+
+    async def start(self, key, first_token, timeout):
+        await self._timed(self._enter(), timeout)
+        reserved = self.reserved.pop(key, None)
+        if reserved is None or self.lapse_next_start:
+            self.lapse_next_start = False
+            self.held.pop(key, None)
+            return False
+        prompt, max_tokens = reserved
+        self.running[key] = (prompt + [first_token], max_tokens - 1)
+        self._ensure_loop()
+        return True
+
+    async def submit(self, key, prompt, params, timeout):
+        await self._timed(self._enter(), timeout)
+        self.keys.append(key)
+        self.held[key] = cdiv(len(prompt) + params.max_tokens, BLOCK)
+        self.running[key] = (list(prompt), params.max_tokens)
+        self._ensure_loop()
+
+    async def abort(self, key, timeout):
+        await self._timed(self._enter(), timeout)
+        self.held.pop(key, None)
+        self.reserved.pop(key, None)
+        self.running.pop(key, None)
+
+    async def steps(self) -> AsyncIterator[StepOutput]:
+        while True:
+            out = await self._outbox.get()
+            if out is None:
+                raise WorkerError(self.worker_id, "step stream ended: actor died", Failure.LOST)
+            yield out
+
+    async def shutdown(self, timeout):
+        self.die()
+
+    def kill(self) -> None:
+        self.killed = True
+        self.die()
+
+    # -- the toy engine -------------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.ensure_future(self._step_loop())
+
+    async def _step_loop(self) -> None:
+        while not self.dead:
+            await asyncio.sleep(self.step_s)
+            await self.running_gate.wait()
+            if self.dead or not self.running:
+                continue
+            deltas = []
+            for key, (seq, left) in list(self.running.items()):
+                if self.error_next_step:
+                    deltas.append(TokenDelta(key, [], "error", error="injected step failure"))
+                    self.running.pop(key)
+                    self.held.pop(key, None)
+                    continue
+                tok = next_token(seq)
+                seq.append(tok)
+                left -= 1
+                done = left == 0
+                deltas.append(TokenDelta(key, [tok], "length" if done else None))
+                if done:
+                    self.running.pop(key)
+                    self.held.pop(key, None)
+                else:
+                    self.running[key] = (seq, left)
+            self.error_next_step = False
+            self._outbox.put_nowait(StepOutput(1, 0.0, deltas, self._load()))
+
+
+class FakeCluster:
+    """A router over fake workers: `prefill-i`, `decode-i` (or `colocated-i`)."""
+
+    def __init__(self, num_prefill: int = 1, num_decode: int = 1, num_colocated: int = 0, **config) -> None:
+        config.setdefault("block_size", BLOCK)
+        config.setdefault("admission_timeout_s", 5.0)
+        config.setdefault("call_timeout_s", 1.0)
+        self.registry = WorkerRegistry()
+        self.router = Router(RouterConfig(**config), self.registry)
+        self.workers: dict[str, FakeWorker] = {}
+        for kind, n in ((PoolKind.PREFILL, num_prefill), (PoolKind.DECODE, num_decode),
+                        (PoolKind.COLOCATED, num_colocated)):
+            for i in range(n):
+                self.add(FakeWorker(f"{kind.value}-{i}", kind))
+
+    def add(self, fake: FakeWorker) -> None:
+        self.workers[fake.worker_id] = fake
+        info = WorkerInfo(fake.worker_id, fake.kind.value, fake.node, "127.0.0.1", BLOCK, fake.num_blocks)
+        self.registry.add(make_worker(info, fake, fake.kind))
+
+    def __getitem__(self, worker_id: str) -> FakeWorker:
+        return self.workers[worker_id]
+
+    def kill(self, worker_id: str, why: str = "SIGKILL") -> None:
+        """The process dies; the router hears of it the way it would (stream end, failed calls)."""
+        self.workers[worker_id].die()
+
+    def request(self, rid: str, prompt: list[int], max_tokens: int) -> ValidatedRequest:
+        return ValidatedRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), ())
+
+    async def collect(self, req: ValidatedRequest, on_event=None) -> tuple[list[int], str | None, object]:
+        """Run one request to its end; returns (tokens, finish reason, final state)."""
+        tokens: list[int] = []
+        finish = state = None
+        async for event, state in self.router.generate(req):
+            tokens += event.token_ids
+            finish = event.finish_reason
+            if on_event is not None:
+                await on_event(len(tokens), state)
+        return tokens, finish, state
+
+    def blocks_in_use(self) -> dict[str, int]:
+        return {wid: w.blocks_in_use for wid, w in self.workers.items() if not w.dead}
+
+    async def settle(self) -> None:
+        """Let spawned aborts and step loops run."""
+        for _ in range(20):
+            await asyncio.sleep(0.005)

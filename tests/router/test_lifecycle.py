@@ -1,0 +1,303 @@
+"""The request lifecycle over fake workers: every phase × every failure, where blocks are freed and what
+the client sees. No Ray and no model: each test runs in milliseconds (see tests/router/fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from router.lifecycle import Phase
+from router.router import RouterError
+from tests.router.fakes import FakeCluster, FakeWorker, reference
+
+PROMPT = list(range(1, 23))  # 22 tokens: 6 blocks of 4
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_happy_path_streams_the_reference_and_frees_everything():
+    async def go():
+        c = FakeCluster(1, 1)
+        tokens, finish, state = await c.collect(c.request("a", PROMPT, 12))
+        await c.settle()
+        assert tokens == reference(PROMPT, 12)
+        assert finish == "length"
+        assert state.history == [Phase.QUEUED, Phase.PREFILLING, Phase.DECODING, Phase.FINISHED]
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+        # workers only ever see the router's attempt keys, never the client's id
+        assert c["prefill-0"].keys == c["decode-0"].keys == [f"{state.id}.1"]
+        assert not c.router.requests and not c.router._attempts
+
+    run(go())
+
+
+def test_first_token_that_ends_the_request_releases_the_reservation():
+    async def go():
+        c = FakeCluster(1, 1)
+        tokens, finish, _ = await c.collect(c.request("a", PROMPT, 1))
+        await c.settle()
+        assert (tokens, finish) == (reference(PROMPT, 1), "length")
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+
+    run(go())
+
+
+# -- failures in each phase ------------------------------------------------------------------------------
+
+async def _fail_in_decoding(c: FakeCluster, event: str, after: int = 4):
+    """Run a request and inject `event` into its first attempt once the client has `after` tokens."""
+    done = False
+
+    async def on_event(n, state):
+        nonlocal done
+        if n >= after and not done:
+            done = True
+            d = c[state.decode_worker]
+            if event == "decode_lost":
+                c.kill(d.worker_id)
+            elif event == "prefill_lost":
+                c.kill(state.prefill_worker)
+            elif event == "worker_error":
+                d.error_next_step = True
+
+    return await c.collect(c.request("a", PROMPT, 20), on_event)
+
+
+@pytest.mark.parametrize("event", ["decode_lost", "worker_error"])
+def test_decode_failure_migrates_with_no_duplicate_or_missing_token(event):
+    async def go():
+        c = FakeCluster(1, 2)
+        tokens, finish, state = await _fail_in_decoding(c, event)
+        await c.settle()
+        assert tokens == reference(PROMPT, 20)
+        assert finish == "length"
+        assert Phase.MIGRATING in state.history
+        assert [f.cause.value for f in state.failures] == [event]
+        # the second attempt re-prefilled prompt + tokens streamed so far, under a fresh key
+        assert len(c["prefill-0"].keys) == 2 and c["prefill-0"].keys[1] == f"{state.id}.2"
+        assert all(v == 0 for v in c.blocks_in_use().values())
+
+    run(go())
+
+
+def test_prefill_loss_never_touches_a_request_decoding_elsewhere():
+    async def go():
+        c = FakeCluster(2, 1)
+        tokens, finish, state = await _fail_in_decoding(c, "prefill_lost")
+        assert tokens == reference(PROMPT, 20) and finish == "length"
+        assert state.failures == [] and state.num_attempts == 1
+        assert Phase.MIGRATING not in state.history
+
+    run(go())
+
+
+@pytest.mark.parametrize("event", ["prefill_lost", "decode_lost", "kv", "error", "reservation"])
+def test_failure_before_the_first_token_is_retried_invisibly(event):
+    async def go():
+        c = FakeCluster(2, 2)
+        task = asyncio.ensure_future(c.collect(c.request("a", PROMPT, 8)))
+        # the first attempt is prefilling on one of the prefill workers: find it, hold it there
+        for w in ("prefill-0", "prefill-1"):
+            c[w].prefill_gate.clear()
+        while not (c["prefill-0"].prefill_started.is_set() or c["prefill-1"].prefill_started.is_set()):
+            await asyncio.sleep(0.001)
+        state = next(iter(c.router.requests.values()))
+        assert state.phase is Phase.PREFILLING
+        p, d = c[state.attempt.prefill.worker_id], c[state.attempt.decode.worker_id]
+        if event == "prefill_lost":
+            c.kill(p.worker_id)
+        elif event == "decode_lost":
+            c.kill(d.worker_id)
+        elif event == "reservation":
+            d.lapse_next_start = True
+        else:
+            p.fail_next_prefill = event
+        for w in ("prefill-0", "prefill-1"):
+            c[w].prefill_gate.set()
+        tokens, finish, state = await task
+        await c.settle()
+        assert tokens == reference(PROMPT, 8) and finish == "length"
+        assert state.num_attempts == 2
+        assert all(v == 0 for v in c.blocks_in_use().values())
+
+    run(go())
+
+
+def test_migration_limit_ends_the_request_with_unavailable_naming_the_workers():
+    async def go():
+        c = FakeCluster(1, 3, migration_limit=1)
+        killed = []
+
+        async def on_event(n, state):
+            if state.decode_worker not in killed:
+                killed.append(state.decode_worker)
+                c.kill(state.decode_worker)
+
+        with pytest.raises(RouterError) as e:
+            await c.collect(c.request("a", PROMPT, 20), on_event)
+        assert e.value.code == "UNAVAILABLE"
+        assert "--migration-limit 1" in str(e.value)
+        for wid in killed:
+            assert wid in str(e.value)
+        await c.settle()
+        assert all(v == 0 for v in c.blocks_in_use().values())
+
+    run(go())
+
+
+# -- cancellation in each phase --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("phase", [Phase.QUEUED, Phase.PREFILLING, Phase.DECODING])
+def test_cancel_in_every_phase_frees_every_block(phase):
+    async def go():
+        c = FakeCluster(1, 1)
+        if phase is Phase.QUEUED:
+            c["decode-0"].reserve_full = True  # waits in the admission queue
+        if phase is Phase.PREFILLING:
+            c["prefill-0"].prefill_gate.clear()
+        gen = c.router.generate(c.request("a", PROMPT, 200))
+        task = asyncio.ensure_future(gen.__anext__())
+        while not c.router.requests or next(iter(c.router.requests.values())).phase < phase:
+            await asyncio.sleep(0.001)
+        state = next(iter(c.router.requests.values()))
+        if phase is Phase.DECODING:
+            await task
+        else:  # the client goes away: gRPC cancels the handler's task mid-await
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await task
+        await gen.aclose()
+        await c.settle()
+        assert state.phase is Phase.CANCELLED
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+        assert not c.router.requests and not c.router._attempts
+
+    run(go())
+
+
+def test_a_request_id_reused_right_after_a_cancel_gets_only_its_own_tokens():
+    async def go():
+        c = FakeCluster(1, 1)
+        c["decode-0"].step_s = 0.01
+        gen = c.router.generate(c.request("same", PROMPT, 200))
+        await gen.__anext__()
+        await gen.__anext__()
+        await gen.aclose()  # the abort to the workers is still on its way
+        other = [7, 7, 7] * 5
+        tokens, finish, state = await c.collect(c.request("same", other, 10))
+        assert tokens == reference(other, 10) and finish == "length"
+        await c.settle()
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+        assert len(set(c["decode-0"].keys)) == 2  # two attempts, two keys, on the same worker
+
+    run(go())
+
+
+def test_a_client_id_in_flight_twice_is_refused():
+    async def go():
+        c = FakeCluster(1, 1)
+        gen = c.router.generate(c.request("dup", PROMPT, 50))
+        await gen.__anext__()
+        with pytest.raises(RouterError) as e:
+            await c.collect(c.request("dup", PROMPT, 5))
+        assert e.value.code == "ALREADY_EXISTS"
+        await gen.aclose()
+
+    run(go())
+
+
+# -- overload --------------------------------------------------------------------------------------------
+
+def test_full_decode_pool_and_full_queue_refuse_at_once_before_any_prefill():
+    async def go():
+        c = FakeCluster(1, 1, max_queue=0)
+        c["decode-0"].reserve_full = True
+        t0 = time.monotonic()
+        with pytest.raises(RouterError) as e:
+            await c.collect(c.request("a", PROMPT, 5))
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "admission queue is full" in str(e.value)
+        assert time.monotonic() - t0 < 1.0
+        assert c["prefill-0"].keys == []  # never prefilled
+
+    run(go())
+
+
+def test_deep_prefill_queues_refuse_new_prompts():
+    async def go():
+        c = FakeCluster(1, 1, max_queued_prefill_tokens=30)
+        c["prefill-0"].prefill_gate.clear()
+        first = asyncio.ensure_future(c.collect(c.request("a", PROMPT, 3)))
+        while not c["prefill-0"].prefill_started.is_set():
+            await asyncio.sleep(0.001)
+        with pytest.raises(RouterError) as e:
+            await c.collect(c.request("b", PROMPT, 3))
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "max-queued-prefill-tokens" in str(e.value)
+        c["prefill-0"].prefill_gate.set()
+        assert (await first)[0] == reference(PROMPT, 3)
+
+    run(go())
+
+
+def test_leases_are_renewed_while_the_prefill_worker_lives():
+    async def go():
+        c = FakeCluster(1, 1)
+        c["prefill-0"].prefill_gate.clear()
+        task = asyncio.ensure_future(c.collect(c.request("a", PROMPT, 3)))
+        while not c["prefill-0"].prefill_started.is_set():
+            await asyncio.sleep(0.001)
+        key = next(iter(c.router._attempts))
+        c.router.on_heartbeat(c.registry.get("prefill-0"))
+        c.router.on_heartbeat(c.registry.get("decode-0"))  # not a prefill worker: renews nothing
+        await c.settle()
+        assert c["decode-0"].renewed == [key]
+        c["prefill-0"].prefill_gate.set()
+        await task
+
+    run(go())
+
+
+def test_new_requests_wait_for_a_replacement_prefill_worker():
+    async def go():
+        c = FakeCluster(1, 1)
+        c.kill("prefill-0")
+        c.registry.lose(c.registry.get("prefill-0"), "SIGKILL")
+        task = asyncio.ensure_future(c.collect(c.request("a", PROMPT, 4)))
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        c.add(FakeWorker("prefill-1", c["prefill-0"].kind))
+        tokens, _, _ = await task
+        assert tokens == reference(PROMPT, 4)
+
+    run(go())
+
+
+def test_colocated_worker_loss_migrates_too():
+    async def go():
+        c = FakeCluster(0, 0, num_colocated=2)
+        tokens, finish, state = await _fail_in_decoding(c, "decode_lost")
+        assert tokens == reference(PROMPT, 20) and finish == "length"
+        assert state.num_attempts == 2
+
+    run(go())
+
+
+def test_draining_router_refuses_new_requests_and_waits_for_old_ones():
+    async def go():
+        c = FakeCluster(1, 1)
+        task = asyncio.ensure_future(c.collect(c.request("a", PROMPT, 30)))
+        while not c.router.requests:
+            await asyncio.sleep(0.001)
+        drained = asyncio.ensure_future(c.router.drain(5.0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(RouterError) as e:
+            await c.collect(c.request("b", PROMPT, 3))
+        assert e.value.code == "UNAVAILABLE"
+        assert (await task)[0] == reference(PROMPT, 30)
+        assert await drained
+
+    run(go())
