@@ -5,8 +5,10 @@ model computes, and the engine is not thread-safe. So the engine is touched only
 other threads hand it closures with `call`, which run between steps, and receive each step's tokens through
 `on_step` (one `StepOutput` per step, for every sequence that got a token in it).
 
-Liveness: the loop stamps `last_progress` after every step and every idle wait, so the actor's own thread
-can tell the router whether the engine still moves (`heartbeat`). An exception the loop cannot attribute to
+Liveness: the loop stamps `last_progress` after every model layer, every step and every idle wait, so the
+actor's own thread can tell the router whether the engine still moves (`heartbeat`). Per layer, because
+one step of a long prompt's chunk can take longer than any sensible liveness timeout on a slow machine,
+while one layer of it cannot. An exception the loop cannot attribute to
 one step (in `poll`, `on_step`, the scheduler's bookkeeping) is fatal: `on_fatal` runs, whose default ends
 the process, so Ray sees a dead actor instead of a live one with a dead engine.
 """
@@ -24,7 +26,9 @@ from typing import Any, TypeVar
 
 from engine.llm_engine import LayerHookFactory, LLMEngine
 from engine.messages import StepOutput, TokenDelta
+from engine.models.llama import LayerHook
 from engine.request import Request, RequestStatus
+from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,7 +123,7 @@ class EngineLoop:
             if not self.engine.has_scheduled_work():
                 continue
             try:
-                out, advanced = self.engine.step(self.layer_hook_for)
+                out, advanced = self.engine.step(self._hook_for)
             except Exception:  # a failed step must not hang its requests: end them all with an error
                 logger.exception("engine step failed; failing every request in this engine")
                 self.on_step(self._fail_all())
@@ -134,6 +138,17 @@ class EngineLoop:
                        for r in out.finished]
             if deltas:
                 self.on_step(StepOutput(self._steps, time.time(), deltas, self.engine.load()))
+
+    def _hook_for(self, out: SchedulerOutput) -> LayerHook:
+        """Every layer stamps progress, then runs the worker's own hook for this step (if any)."""
+        inner = self.layer_hook_for(out) if self.layer_hook_for is not None else None
+
+        def hook(layer: int) -> None:
+            self.last_progress = time.monotonic()
+            if inner is not None:
+                inner(layer)
+
+        return hook
 
     @staticmethod
     def _delta(r: Request) -> TokenDelta:

@@ -436,10 +436,13 @@ class Router:
         self.registry.lose(worker, why)
 
     async def _next_delta(self, att: Attempt, worker: Worker) -> TokenDelta:
-        item = await att.queue.get()
-        if isinstance(item, WorkerLostNotice):
-            cause = Cause.DECODE_LOST if item.worker_id == worker.worker_id else Cause.PREFILL_LOST
-            raise AttemptFailed(cause, item.worker_id, item.reason)
+        while True:
+            item = await att.queue.get()
+            if not isinstance(item, WorkerLostNotice):
+                break
+            if item.worker_id == worker.worker_id:
+                raise AttemptFailed(Cause.DECODE_LOST, item.worker_id, item.reason)
+            # NOTE: the prefill worker was lost after its answer: the decoding attempt does not need it
         if item.finish_reason in ("error", "abort"):
             raise AttemptFailed(Cause.WORKER_ERROR, worker.worker_id,
                                 item.error or f"the worker ended the sequence ({item.finish_reason})")

@@ -283,7 +283,10 @@ def init_ray(address: str | None, num_workers: int) -> None:
     if address:
         ray.init(address=address)
     else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
+        # NOTE: address="local" starts a new cluster even when Ray has one registered as this machine's
+        # current cluster (/tmp/ray/ray_current_cluster, left by `ray start` or a test session): without it
+        # ray.init would join that one and refuse num_cpus.
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                  num_cpus=max(os.cpu_count() or 1, num_workers), log_to_driver=True)
 
 

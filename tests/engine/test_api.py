@@ -105,3 +105,28 @@ def test_eos_stops_unless_ignore_eos(llm, monkeypatch):
     assert stopped.finish_reason.value == "stop" and stopped.token_ids == free[:free.index(free[1]) + 1]
     assert llm.generate(["eos test"], greedy)[0].token_ids == free
     assert llm.engine.allocator.num_used_blocks == 0
+
+
+def test_an_engine_loop_that_dies_ends_its_process():
+    """An exception outside a step (here in `poll`) must end the worker process, not leave a live actor
+    with a dead engine thread: the default `on_fatal` exits with status 70."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_run_a_loop_whose_poll_raises)
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 70
+
+
+def _run_a_loop_whose_poll_raises() -> None:
+    import time
+
+    from engine.engine_loop import EngineLoop
+    from tests.engine.helpers import make_engine
+
+    def poll() -> bool:
+        raise RuntimeError("a bug in the KV poll")
+
+    EngineLoop(make_engine(num_blocks=8), on_step=lambda out: None, poll=poll).start()
+    time.sleep(60)  # the loop thread ends the process long before this

@@ -210,3 +210,50 @@ def test_server_reflection_lists_and_describes_the_service(server):
     desc = db.FindFileContainingSymbol("pdserve.v1.Generation")
     assert desc.name == "pdserve/v1/generation.proto"
     assert {m.name for m in desc.service[0].method} == {"Generate", "GetModelInfo"}
+
+
+def test_a_request_id_reused_right_after_a_cancel_carries_only_its_own_tokens(server):
+    prompt_a, prompt_b = LONG_PREFIX[:40], [(5 * i + 3) % 250 for i in range(40)]
+    want_b = token_ids(server.generate(greedy_request(prompt_b, 24, ignore_eos=True)))
+    server.wait_idle()
+    call = server.stub.Generate(pb.GenerateRequest(
+        request_id="reused", prompt_token_ids=pb.TokenIds(ids=prompt_a),
+        sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)), timeout=60)
+    next(call)
+    call.cancel()
+    again = pb.GenerateRequest(request_id="reused", prompt_token_ids=pb.TokenIds(ids=prompt_b),
+                               sampling=pb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    responses = server.generate(again)
+    assert token_ids(responses) == want_b
+    assert all(r.request_id == "reused" for r in responses)
+    reports = server.wait_idle()
+    for wid, r in reports.items():
+        assert r.load.free_blocks == r.load.total_blocks and r.load.num_running == 0, (wid, r.load)
+
+
+def test_graceful_shutdown_finishes_the_stream_in_flight_and_refuses_new_ones(ray_cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with running_server(model="tiny-random", num_blocks=64, max_model_len=512) as s:
+        call = s.stub.Generate(greedy_request(LONG_PREFIX[:20], 200, ignore_eos=True), timeout=60)
+        got = list(next(call).token_ids)
+        stopping = threading.Thread(target=lambda: s.run(s.server.shutdown(grace_s=30), timeout=60))
+        stopping.start()
+        health = health_pb2_grpc.HealthStub(s.channel)
+        for _ in range(100):
+            if health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            threading.Event().wait(0.02)
+        with pytest.raises(grpc.RpcError) as e:
+            s.generate(greedy_request([1, 2, 3], 4))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        for r in call:
+            got += r.token_ids
+        assert len(got) == 200  # the stream in flight finished
+        stopping.join(60)
+        assert not stopping.is_alive()
+        import ray
+
+        for w in s.server.registry.workers.values():  # nothing left running
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(w.client.actor.ping.remote(), timeout=30)

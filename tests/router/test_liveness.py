@@ -1,0 +1,143 @@
+"""The pool manager's liveness watch and replacement over fake workers (no Ray): a stalled worker is
+declared dead, killed and replaced; a transient unavailability is not death; failed starts back off."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.config import EngineConfig
+from engine.messages import Heartbeat
+from router.placement import PoolKind
+from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry
+from router.worker_client import Failure, WorkerError
+from tests.router.fakes import FakeWorker
+
+FAST = LivenessConfig(worker_timeout_s=0.2, interval_s=0.02, backoff_initial_s=0.05, backoff_max_s=0.2)
+
+
+class Fleet:
+    """Fake workers handed out by a launcher; `fail_starts` makes the next launches fail."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, FakeWorker] = {}
+        self.fail_starts = 0
+        self.attempts = 0
+
+    async def launch(self, spec: PoolSpec, worker_id: str) -> FakeWorker:
+        self.attempts += 1
+        if self.fail_starts:
+            self.fail_starts -= 1
+            raise RuntimeError("no node offers the pool's resources")
+        w = self.started[worker_id] = FakeWorker(worker_id, spec.kind)
+        return w
+
+
+def manager(fleet: Fleet, n: int = 2) -> tuple[PoolManager, WorkerRegistry, list[tuple[str, str]]]:
+    registry = WorkerRegistry()
+    lost: list[tuple[str, str]] = []
+    registry.on_lost.append(lambda w, why: lost.append((w.worker_id, why)))
+    spec = PoolSpec(PoolKind.DECODE, n, EngineConfig(model="tiny-random"))
+    return PoolManager([spec], registry, fleet.launch, FAST), registry, lost
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+def test_a_stalled_worker_is_declared_dead_killed_and_replaced():
+    async def go():
+        fleet = Fleet()
+        pm, registry, lost = manager(fleet)
+        await pm.start()
+        maintain = asyncio.ensure_future(pm.maintain())
+        fleet.started["decode-0"].stall()  # SIGSTOP: no ping answered
+        await until(lambda: lost)
+        assert lost[0][0] == "decode-0" and "no heartbeat" in lost[0][1]
+        assert fleet.started["decode-0"].killed
+        await until(lambda: len(registry.live(PoolKind.DECODE)) == 2)
+        assert sorted(w.worker_id for w in registry.live()) == ["decode-1", "decode-2"]
+        maintain.cancel()
+        await pm.close()
+
+    asyncio.run(go())
+
+
+def test_an_engine_loop_that_stopped_moving_with_work_is_declared_dead():
+    async def go():
+        fleet = Fleet()
+        pm, registry, lost = manager(fleet, 1)
+        await pm.start()
+        w = fleet.started["decode-0"]
+
+        async def stuck_ping(timeout):
+            return Heartbeat(w.worker_id, loop_age_s=5.0, busy=True, loop_alive=True)
+
+        w.ping = stuck_ping
+        await until(lambda: lost)
+        assert "has not moved" in lost[0][1] and w.killed
+        await pm.close()
+
+    asyncio.run(go())
+
+
+def test_an_idle_worker_with_a_quiet_loop_and_a_transient_unavailability_are_not_death():
+    async def go():
+        fleet = Fleet()
+        pm, registry, lost = manager(fleet, 1)
+        await pm.start()
+        w = fleet.started["decode-0"]
+        calls = 0
+
+        async def flaky_ping(timeout):
+            nonlocal calls
+            calls += 1
+            if calls % 2:
+                raise WorkerError(w.worker_id, "unavailable: connection reset", Failure.UNAVAILABLE)
+            return Heartbeat(w.worker_id, loop_age_s=5.0, busy=False, loop_alive=True)  # idle: fine
+
+        w.ping = flaky_ping
+        await asyncio.sleep(0.5)
+        assert calls >= 4 and lost == [] and not w.killed
+        await pm.close()
+
+    asyncio.run(go())
+
+
+def test_a_dead_engine_thread_is_death():
+    async def go():
+        fleet = Fleet()
+        pm, registry, lost = manager(fleet, 1)
+        await pm.start()
+        w = fleet.started["decode-0"]
+
+        async def dead_loop(timeout):
+            return Heartbeat(w.worker_id, loop_age_s=0.0, busy=False, loop_alive=False)
+
+        w.ping = dead_loop
+        await until(lambda: lost)
+        assert "engine loop thread is dead" in lost[0][1]
+        await pm.close()
+
+    asyncio.run(go())
+
+
+def test_failed_replacements_back_off_exponentially_and_the_pool_grows_back():
+    async def go():
+        fleet = Fleet()
+        pm, registry, lost = manager(fleet, 1)
+        await pm.start()
+        maintain = asyncio.ensure_future(pm.maintain())
+        fleet.fail_starts = 4
+        fleet.started["decode-0"].die()
+        registry.lose(registry.get("decode-0"), "SIGKILL")
+        await until(lambda: len(registry.live(PoolKind.DECODE)) == 1, timeout=10)
+        # four failures waited 0.05 + 0.1 + 0.2 + 0.2 s: far fewer tries than one per 20 ms tick
+        assert fleet.attempts == 1 + 4 + 1
+        maintain.cancel()
+        await pm.close()
+
+    asyncio.run(go())
