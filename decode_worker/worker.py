@@ -134,6 +134,13 @@ class DecodeWorker:
 
         return await asyncio.wrap_future(self.loop.call(start))
 
+    async def pause(self, request_ids: list[str]) -> None:
+        """Backpressure: hold these sequences out of the batch (blocks kept) until `resume`."""
+        await asyncio.wrap_future(self.loop.call(lambda: [self.engine.scheduler.pause(r) for r in request_ids]))
+
+    async def resume(self, request_ids: list[str]) -> None:
+        await asyncio.wrap_future(self.loop.call(lambda: [self.engine.scheduler.resume(r) for r in request_ids]))
+
     # -- colocated --------------------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -160,7 +167,8 @@ class DecodeWorker:
             return {"pending": {rid: {"landed": p.landed, "first_token": p.first_token,
                                       "transfer": self.receiver.poll(rid).name if not p.landed else None}
                                 for rid, p in self.pending.items()},
-                    "requests": {rid: r.status.name for rid, r in self.engine.scheduler.requests.items()}}
+                    "requests": {rid: r.status.name for rid, r in self.engine.scheduler.requests.items()},
+                    "paused": sorted(self.engine.scheduler.paused)}
 
         return await asyncio.wrap_future(self.loop.call(describe))
 

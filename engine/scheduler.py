@@ -51,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.paused: dict[str, Request] = {}  # running sequences held out of the batch (a slow reader)
         self._num_committed: dict[str, int] = {}  # request id -> blocks registered in the prefix cache
 
     @property
@@ -67,6 +68,22 @@ class Scheduler:
         if request is not None:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+    def pause(self, request_id: str) -> bool:
+        """Hold a running sequence out of the batch, keeping its blocks (its reader is behind)."""
+        req = self.requests.get(request_id)
+        if req is None or req not in self.running:
+            return False
+        self.running.remove(req)
+        self.paused[request_id] = req
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        req = self.paused.pop(request_id, None)
+        if req is None or req.is_finished:
+            return False
+        self.running.append(req)
+        return True
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -170,6 +187,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.paused.pop(req.request_id, None)
         self._release(req)
         self.requests.pop(req.request_id, None)
 

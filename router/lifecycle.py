@@ -96,6 +96,7 @@ class Attempt:
     # set when a worker this attempt waits on is lost (wakes a pending prefill call)
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_notice: WorkerLostNotice | None = None
+    paused: bool = False  # the decode worker holds it out of the batch: the client reads too slowly
     created: float = field(default_factory=time.time)  # waits for room or a live worker count from here
 
     def worker_lost(self, notice: WorkerLostNotice) -> None:

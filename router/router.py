@@ -78,6 +78,9 @@ class RouterConfig:
     max_queued_prefill_tokens: int = 65536
     migration_limit: int = 3  # attempts after the first, per request
     call_timeout_s: float = 10.0  # reserve/start/submit/abort: the worker answers between two steps
+    # backpressure: a stream with this many undelivered decode steps is paused on its decode worker, and
+    # resumed once the client has read it down to a quarter of that
+    max_buffered_steps: int = 64
 
     def __post_init__(self) -> None:
         if self.policy not in ("prefix", "round-robin"):
@@ -86,6 +89,8 @@ class RouterConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if self.max_buffered_steps < 4:
+            raise ValueError(f"max_buffered_steps must be >= 4, got {self.max_buffered_steps}")
         if self.max_queued_prefill_tokens < 1:
             raise ValueError(f"--max-queued-prefill-tokens must be >= 1, got {self.max_queued_prefill_tokens}")
 
@@ -428,8 +433,12 @@ class Router:
                     self.apply_report(worker, LoadReport(worker.worker_id, out.load))
                 for delta in out.deltas:
                     att = self._attempts.get(delta.request_id)
-                    if att is not None:
-                        att.queue.put_nowait(delta)
+                    if att is None:
+                        continue
+                    att.queue.put_nowait(delta)
+                    if not att.paused and att.queue.qsize() >= self.config.max_buffered_steps:
+                        att.paused = True
+                        self._spawn(self._flow(worker, att.key, pause=True))
             why = "its step stream ended"
         except WorkerError as e:
             why = e.reason
@@ -443,12 +452,22 @@ class Router:
             if item.worker_id == worker.worker_id:
                 raise AttemptFailed(Cause.DECODE_LOST, item.worker_id, item.reason)
             # NOTE: the prefill worker was lost after its answer: the decoding attempt does not need it
+        if att.paused and att.queue.qsize() <= self.config.max_buffered_steps // 4:
+            att.paused = False
+            self._spawn(self._flow(worker, att.key, pause=False))
         if item.finish_reason in ("error", "abort"):
             raise AttemptFailed(Cause.WORKER_ERROR, worker.worker_id,
                                 item.error or f"the worker ended the sequence ({item.finish_reason})")
         if item.finish_reason is not None:
             self._room.set()
         return item
+
+    async def _flow(self, worker: Worker, key: str, pause: bool) -> None:
+        """Pause or resume one attempt's decoding (backpressure from a slow client)."""
+        try:
+            await (worker.client.pause if pause else worker.client.resume)(key, self.config.call_timeout_s)
+        except WorkerError as e:
+            self._call_failed(worker, e, Cause.WORKER_ERROR)
 
     def _call_failed(self, worker: Worker, e: WorkerError, cause: Cause) -> AttemptFailed:
         """A call to `worker` failed: if it found the worker dead, lose it now (before liveness would)."""

@@ -77,6 +77,13 @@ class WorkerClient(ABC):
     async def abort(self, key: str, timeout: float) -> None: ...
 
     @abstractmethod
+    async def pause(self, key: str, timeout: float) -> None:
+        """Backpressure: stop decoding this attempt (its blocks stay) until `resume`."""
+
+    @abstractmethod
+    async def resume(self, key: str, timeout: float) -> None: ...
+
+    @abstractmethod
     def steps(self) -> AsyncIterator[StepOutput]:
         """The worker's per-step messages, until it dies (then WorkerError with Failure.LOST)."""
 
@@ -133,6 +140,12 @@ class RayWorkerClient(WorkerClient):
 
     async def abort(self, key: str, timeout: float) -> None:
         await self._call(self.actor.abort.remote(key), timeout)
+
+    async def pause(self, key: str, timeout: float) -> None:
+        await self._call(self.actor.pause.remote([key]), timeout)
+
+    async def resume(self, key: str, timeout: float) -> None:
+        await self._call(self.actor.resume.remote([key]), timeout)
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         import ray

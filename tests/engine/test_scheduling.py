@@ -126,3 +126,28 @@ def test_abort_frees_blocks_and_prefix_cache_keeps_full_blocks():
     assert engine.allocator.num_used_blocks == 0
     assert engine.allocator.num_cached_blocks == 4
     assert not engine.has_unfinished_requests()
+
+
+def test_a_paused_sequence_keeps_its_blocks_and_resumes_where_it_was():
+    ref = make_engine()
+    want = ref.add_request(PROMPT, greedy(12, ignore_eos=True))
+    while ref.has_unfinished_requests():
+        ref.step()
+    engine = make_engine()
+    req = engine.add_request(PROMPT, greedy(12, ignore_eos=True))
+    other = engine.add_request(PROMPT[:20], greedy(30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    held = list(req.block_ids)
+    assert engine.scheduler.pause(req.request_id)
+    for _ in range(5):
+        _, advanced = engine.step()
+        assert req not in advanced  # no token while paused
+    assert req.block_ids == held and len(req.output_token_ids) == 4
+    assert engine.scheduler.resume(req.request_id)
+    while not req.is_finished:
+        engine.step()
+    assert req.output_token_ids == want.output_token_ids
+    assert engine.scheduler.pause(other.request_id)
+    engine.abort_request(other.request_id)  # aborting a paused sequence frees its blocks
+    assert not engine.scheduler.paused and engine.allocator.num_free_blocks == engine.allocator.num_blocks

@@ -56,6 +56,8 @@ class FakeWorker(WorkerClient):
         self.running: dict[str, tuple[list[int], int]] = {}  # key -> (sequence, tokens left)
         self.keys: list[str] = []  # every key this worker was asked about, in order
         self.renewed: list[str] = []
+        self.paused: set[str] = set()
+        self.flow: list[tuple[str, str]] = []  # ("pause" | "resume", key), in order
         self.dead = False
         self.killed = False
         self.running_gate = asyncio.Event()
@@ -174,6 +176,16 @@ class FakeWorker(WorkerClient):
         self.reserved.pop(key, None)
         self.running.pop(key, None)
 
+    async def pause(self, key, timeout):
+        await self._timed(self._enter(), timeout)
+        self.paused.add(key)
+        self.flow.append(("pause", key))
+
+    async def resume(self, key, timeout):
+        await self._timed(self._enter(), timeout)
+        self.paused.discard(key)
+        self.flow.append(("resume", key))
+
     async def steps(self) -> AsyncIterator[StepOutput]:
         while True:
             out = await self._outbox.get()
@@ -202,6 +214,8 @@ class FakeWorker(WorkerClient):
                 continue
             deltas = []
             for key, (seq, left) in list(self.running.items()):
+                if key in self.paused:
+                    continue
                 if self.error_next_step:
                     deltas.append(TokenDelta(key, [], "error", error="injected step failure"))
                     self.running.pop(key)

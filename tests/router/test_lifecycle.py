@@ -301,3 +301,25 @@ def test_draining_router_refuses_new_requests_and_waits_for_old_ones():
         assert await drained
 
     run(go())
+
+
+def test_a_client_that_stops_reading_pauses_its_sequence_on_the_decode_worker():
+    async def go():
+        c = FakeCluster(1, 1, max_buffered_steps=8)
+        gen = c.router.generate(c.request("slow", PROMPT, 100))
+        tokens = list((await gen.__anext__())[0].token_ids)
+        d = c["decode-0"]
+        for _ in range(200):  # the client reads nothing: the buffer fills, the worker is told to pause
+            if d.paused:
+                break
+            await asyncio.sleep(0.005)
+        assert d.flow == [("pause", next(iter(d.paused)))]
+        key = next(iter(d.paused))
+        await asyncio.sleep(0.05)
+        assert c.router._attempts[key].queue.qsize() <= 8 + 1  # bounded: nothing more was decoded
+        async for event, _ in gen:  # the client catches up: the worker resumes, the stream completes
+            tokens += event.token_ids
+        assert tokens == reference(PROMPT, 100)
+        assert ("resume", key) in d.flow
+
+    run(go())
