@@ -2,7 +2,7 @@
 twin, on a real 1P+2D deployment of SmolLM2 (local Ray, gRPC on loopback).
 
     python -m benchmarks.migration_bench [--trials 3] [--prompt-tokens 512] [--max-tokens 96]
-                                          [--kill-after 32] [--json]
+                                          [--kill-after 32] [--json] [--out FILE]
 
 Each trial sends two requests with fresh random prompts of the same length, one after the other (cold
 prefix caches, the same load): the twin runs undisturbed; the other has its decode worker's process
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--kill-after", type=int, default=32)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--out", default=None, help="also write the JSON results to this file (Ray's worker-death "
+                    "notices share stdout)")
     args = ap.parse_args(argv)
     if not 0 < args.kill_after < args.max_tokens:
         ap.error("--kill-after must be between 0 and --max-tokens")
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                "median_extra_over_prefill": statistics.median(r["extra_over_prefill"] for r in rows),
                "median_pause_s": statistics.median(r["pause_s"] for r in rows),
                "median_twin_prefill_s": statistics.median(r["twin_prefill_s"] for r in rows)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

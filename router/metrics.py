@@ -51,6 +51,8 @@ KV_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02
 
 STAGES = ("queue", "prefill", "kv_transfer", "decode_admit")
 OUTCOMES = ("stop", "length", "cancelled", "error")  # what `on_end` is told; the finish_reason label
+# router.lifecycle.Cause's values (kept as strings: the metrics need nothing else of the lifecycle)
+MIGRATION_CAUSES = ("prefill_lost", "decode_lost", "kv_transfer", "reservation", "worker_error")
 
 
 @dataclass
@@ -126,6 +128,8 @@ class Metrics(RequestObserver):
 
         for outcome in OUTCOMES:  # zero series exist from the start, so rate() and dashboards see them
             self.requests.labels(model, outcome)
+        for cause in MIGRATION_CAUSES:
+            self.migrations.labels(model, cause)
         self._streams: dict[str, _Stream] = {}
         self._prompt: dict[str, tuple[int, int]] = {}  # prefill worker -> (prompt tokens, cached tokens)
         self._workers: dict[str, set[str]] = {PoolKind.PREFILL.value: set(), PoolKind.DECODE.value: set()}
@@ -218,6 +222,7 @@ class Metrics(RequestObserver):
         self.migrations.labels(self.model, cause).inc()
 
     def on_pool_size(self, pool: str, live: int, target: int) -> None:
+        self.workers_lost.labels(self.model, pool)  # a zero series per pool from the start
         self.pool_live.labels(self.model, pool).set(live)
         self.pool_target.labels(self.model, pool).set(target)
         self.pool_serving.labels(self.model, pool).set(1 if live else 0)

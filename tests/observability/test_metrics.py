@@ -250,3 +250,14 @@ def test_gauges_are_finite_for_a_worker_without_blocks():
     m = Metrics(MODEL)
     m.on_report(worker("decode-0", PoolKind.DECODE, total=0), report("decode-0", 0, 0, 0, total=0))
     assert math.isfinite(value(m, "pdserve_kv_cache_usage_ratio", pool="decode", worker="decode-0", node="node-a"))
+
+
+def test_migration_cause_labels_are_the_lifecycles_causes():
+    from router.lifecycle import Cause
+    from router.metrics import MIGRATION_CAUSES
+
+    assert tuple(c.value for c in Cause) == MIGRATION_CAUSES
+    m = Metrics(MODEL)
+    for cause in MIGRATION_CAUSES:  # every series exists at zero from the start, for rate() and dashboards
+        assert m.registry.get_sample_value("pdserve_request_migrations_total",
+                                           {"model": MODEL, "cause": cause}) == 0.0
