@@ -86,6 +86,10 @@ class KVSender(ABC):
         config's `liveness_s + op_timeout_s` more), so both sides agree unless the link breaks in between."""
 
     @abstractmethod
+    def extend(self, request_id: str, deadline: float) -> bool:
+        """Move the transfer's deadline later (the prefill still makes progress). False once finished."""
+
+    @abstractmethod
     def send_layer(self, request_id: str, layer: int) -> None:
         """Layer `layer`'s KV is written: ship it. Returns at once (on CUDA it records an event on the
         current stream, so the copy waits for the compute). A no-op once the transfer has failed."""

@@ -33,6 +33,8 @@ from engine.scheduler import SchedulerOutput
 from kv_transfer import KVTransferConfig, PeerAddress, TransferResult, create_sender
 
 # a prompt's KV must have landed this long after its transfer opened, or the transfer fails
+# a prompt's KV transfer fails when this long passes without progress: from its opening to the first layer,
+# between two layers (each layer sent pushes the deadline on), or from the last layer to the receiver's verdict
 KV_TRANSFER_TIMEOUT_S = 30.0
 
 
@@ -125,7 +127,11 @@ class PrefillWorker:
             return None
 
         def hook(layer: int) -> None:
+            # NOTE: the deadline measures progress, not wall time: a slow step (a long last chunk on a busy
+            # machine) keeps its transfer alive as long as layers keep coming
+            until = time.monotonic() + KV_TRANSFER_TIMEOUT_S
             for rid in sending:
+                self.sender.extend(rid, until)
                 self.sender.send_layer(rid, layer)
 
         return hook

@@ -136,6 +136,25 @@ def test_stalled_sender_fails_both_sides_at_the_deadline_and_late_layers_are_dro
     assert (pair.rx.allocator.num_free_blocks, pair.tx.allocator.num_free_blocks) == (rx_free, tx_free)
 
 
+def test_deadlines_extended_while_progress_is_made_outlive_their_first_value(pair):
+    """A lease: both deadlines are pushed on as layers come (the sender) and as the router renews (the
+    receiver), so a transfer slower than its first deadline lands; once renewals stop, it fails."""
+    src, dst = start(pair, "slow", 3, timeout_s=0.6)
+    for layer in range(SPEC.num_layers):
+        time.sleep(0.3)  # 4 x 0.3 s: well past the first 0.6 s deadline
+        until = time.monotonic() + 0.6
+        assert pair.receiver.extend("slow", until) and pair.sender.extend("slow", until)
+        pair.sender.send_layer("slow", layer)
+    rx, tx = pair.receiver.wait("slow", 10), pair.sender.wait("slow", 10)
+    assert rx.ok and tx.ok, (rx.error, tx.error)
+    assert landed(pair, src, dst)
+    assert not pair.receiver.extend("slow", time.monotonic() + 5)  # finished: nothing to extend
+
+    start(pair, "lapsed", 2, timeout_s=0.4, tx_timeout_s=30.0)
+    rx = pair.receiver.wait("lapsed", 10)  # no renewal, no layer: the lease lapses
+    assert not rx.ok and "deadline passed with 0/4 layers landed" in rx.error
+
+
 def test_unexpected_request_and_wrong_sender_are_refused(pair):
     src = pair.tx.allocator.allocate(2)
     pair.sender.begin("nobody-expects", pair.receiver.address, src, [1, 2], time.monotonic() + 10)
