@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class _Pending:
     """A reserved request whose KV or first token has not arrived yet."""
 
     request: Request
+    lease_until: float  # time.monotonic(); renewed by the router while the prefill makes progress
     landed: bool = False
     first_token: int | None = None
 
@@ -67,6 +69,10 @@ class DecodeWorker:
         self.pending: dict[str, _Pending] = {}
         self._outbox: asyncio.Queue[StepOutput] | None = None
         self._outbox_loop: asyncio.AbstractEventLoop | None = None
+        # NOTE: steps produced before the router subscribes (a request can reach a fresh worker first)
+        # wait here instead of being dropped: a dropped step is a missing token
+        self._outbox_lock = threading.Lock()
+        self._early: list[StepOutput] = []
         self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, on_fail=self._fail_transfers,
                                name=f"{worker_id}-loop")
         self.loop.start()
@@ -85,10 +91,14 @@ class DecodeWorker:
 
     async def stream_steps(self) -> AsyncIterator[StepOutput]:
         """One message per engine step, forever (the router holds one such stream per worker)."""
-        self._outbox_loop = asyncio.get_running_loop()
-        self._outbox = asyncio.Queue()
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        with self._outbox_lock:
+            self._outbox_loop, self._outbox = asyncio.get_running_loop(), queue
+            early, self._early = self._early, []
+        for out in early:
+            yield out
         while True:
-            yield await self._outbox.get()
+            yield await queue.get()
 
     # -- disaggregated ----------------------------------------------------------------------------------
 
@@ -105,11 +115,14 @@ class DecodeWorker:
             if blocks is None:
                 return None
             skip = req.num_cached_tokens // self.engine.cache_spec.block_size
-            pending = self.pending[request_id] = _Pending(req)
+            until = time.monotonic() + self.lease_s
             if skip < len(blocks):
-                self.receiver.expect(request_id, src, blocks[skip:], time.monotonic() + self.lease_s)
-            else:
-                pending.landed = True  # every block already cached here
+                try:
+                    self.receiver.expect(request_id, src, blocks[skip:], until)
+                except Exception:
+                    self.engine.scheduler.finish(req, RequestStatus.FINISHED_ERROR)  # give the blocks back
+                    raise
+            self.pending[request_id] = _Pending(req, until, landed=skip >= len(blocks))
             return Reservation(self.receiver.address, list(blocks), skip, self.lease_s)
 
         return await asyncio.wrap_future(self.loop.call(reserve))
@@ -117,8 +130,17 @@ class DecodeWorker:
     async def renew(self, request_ids: list[str]) -> list[str]:
         """Extend the leases of these reservations by `lease_s`; returns the ids no longer reserved here."""
         until = time.monotonic() + self.lease_s
-        # NOTE: answered on the actor thread, not the engine loop's: a renewal must not wait for a step.
-        return [rid for rid in request_ids if not self.receiver.extend(rid, until) and rid not in self.pending]
+        # NOTE: answered on the actor thread, not the engine loop's: a renewal must not wait for a step
+        # (a float store per entry; the loop thread only reads it)
+        gone = []
+        for rid in request_ids:
+            pending = self.pending.get(rid)
+            if pending is None:
+                gone.append(rid)
+                continue
+            pending.lease_until = max(pending.lease_until, until)
+            self.receiver.extend(rid, until)
+        return gone
 
     async def start(self, request_id: str, first_token: int) -> bool:
         """The prefill worker sampled `first_token`: decode once the KV has landed. False if the
@@ -201,6 +223,14 @@ class DecodeWorker:
         if self.receiver is None:
             return False
         failed = []
+        now = time.monotonic()
+        for rid, pending in list(self.pending.items()):
+            # a lapsed lease whose transfer the receiver does not watch (every block was cached here, or the
+            # KV landed and `start` never came): nobody will claim these blocks
+            if pending.first_token is None and pending.lease_until < now and pending.landed:
+                del self.pending[rid]
+                self.engine.scheduler.finish(pending.request, RequestStatus.FINISHED_ERROR)
+                failed.append(TokenDelta(rid, [], "error", error="the reservation's lease lapsed"))
         for result in self.receiver.pop_finished():
             pending = self.pending.get(result.request_id)
             if pending is None:
@@ -217,8 +247,12 @@ class DecodeWorker:
         return bool(self.pending)
 
     def _on_step(self, out: StepOutput) -> None:
-        if self._outbox is not None:
-            self._outbox_loop.call_soon_threadsafe(self._outbox.put_nowait, out)
+        with self._outbox_lock:
+            if self._outbox is None:
+                self._early.append(out)
+                return
+            loop, queue = self._outbox_loop, self._outbox
+        loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
         self._on_step(StepOutput(0, time.time(), deltas, self.engine.load()))

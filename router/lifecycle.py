@@ -90,14 +90,27 @@ class Attempt:
     prefill: Worker | None = None
     decode: Worker | None = None
     reservation: Reservation | None = None
+    prefill_tokens: int = 0  # uncached prompt tokens the prefill worker will compute (its queue, as counted)
     phase: Phase = Phase.QUEUED
     # the decode worker's deltas for this attempt, or a WorkerLostNotice
     queue: asyncio.Queue[TokenDelta | WorkerLostNotice] = field(default_factory=asyncio.Queue)
     # set when a worker this attempt waits on is lost (wakes a pending prefill call)
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_notice: WorkerLostNotice | None = None
-    paused: bool = False  # the decode worker holds it out of the batch: the client reads too slowly
+    # backpressure: whether the decode worker should hold it out of the batch (the client reads too slowly),
+    # and what it was last told; one `flow_task` at a time brings the two together
+    want_paused: bool = False
+    applied_paused: bool = False
+    flow_task: asyncio.Task | None = None
     created: float = field(default_factory=time.time)  # waits for room or a live worker count from here
+
+    def forget_decode(self) -> None:
+        """The decode worker tried during placement holds nothing for this attempt (any more)."""
+        self.decode = None
+        if self.lost_notice is not None and self.prefill is not None and self.prefill.alive:
+            self.lost_notice = None  # the loss was the forgotten decode worker's
+            self.lost.clear()
+            self.queue = asyncio.Queue()
 
     def worker_lost(self, notice: WorkerLostNotice) -> None:
         if self.lost_notice is None:

@@ -117,10 +117,16 @@ class WorkerRegistry:
             cb(worker)
 
     def lose(self, worker: Worker, why: str) -> bool:
-        """Mark the worker dead and tell every listener, once; False if it was already lost."""
+        """Kill the worker (a no-op if it is already dead; a stuck or cut-off one must do no more harm and
+        must free its node's resources for a replacement), mark it dead and tell every listener, once.
+        False if it was already lost."""
         if not worker.alive:
             return False
         logger.error("worker %s on node %s lost: %s", worker.worker_id, worker.info.node_ip, why)
+        try:
+            worker.client.kill()
+        except Exception as e:  # noqa: BLE001 - already gone is fine; it is lost either way
+            logger.warning("killing %s: %s", worker.worker_id, e)
         worker.load = dataclasses.replace(worker.load, alive=False)
         for cb in self.on_lost:
             cb(worker, why)
@@ -136,8 +142,9 @@ class WorkerRegistry:
 Launcher = Callable[[PoolSpec, str], Awaitable[WorkerClient]]
 
 
-def ray_launcher(kv_config: Any) -> Launcher:
-    """Start workers as Ray actors: `PrefillWorker` or `DecodeWorker` (colocated: no KV transport)."""
+def ray_launcher(kv_config: Any, lease_s: float) -> Launcher:
+    """Start workers as Ray actors: `PrefillWorker` or `DecodeWorker` (colocated: no KV transport).
+    `lease_s`: how long a decode reservation outlives its last renewal."""
 
     async def launch(spec: PoolSpec, worker_id: str) -> WorkerClient:
         import ray
@@ -145,9 +152,12 @@ def ray_launcher(kv_config: Any) -> Launcher:
         from decode_worker import DecodeWorker
         from prefill_worker import PrefillWorker
 
-        cls = PrefillWorker if spec.kind is PoolKind.PREFILL else DecodeWorker
-        kv = None if spec.kind is PoolKind.COLOCATED else kv_config
-        actor = ray.remote(cls).options(**spec.actor_options()).remote(worker_id, spec.engine, kv)
+        options = spec.actor_options()
+        if spec.kind is PoolKind.PREFILL:
+            actor = ray.remote(PrefillWorker).options(**options).remote(worker_id, spec.engine, kv_config)
+        else:
+            kv = None if spec.kind is PoolKind.COLOCATED else kv_config
+            actor = ray.remote(DecodeWorker).options(**options).remote(worker_id, spec.engine, kv, lease_s)
         return RayWorkerClient(worker_id, actor)
 
     return launch
@@ -210,13 +220,7 @@ class PoolManager:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def declare_dead(self, worker: Worker, why: str) -> None:
-        """Kill a worker that is stuck or unreachable, and lose it (its requests move elsewhere)."""
-        if not worker.alive:
-            return
-        try:
-            worker.client.kill()
-        except Exception as e:  # noqa: BLE001 - already gone is fine; it is lost either way
-            logger.warning("killing %s: %s", worker.worker_id, e)
+        """A worker that is stuck or unreachable: kill it and lose it (its requests move elsewhere)."""
         self.registry.lose(worker, why)
 
     async def _replace(self, spec: PoolSpec) -> None:

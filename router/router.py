@@ -42,7 +42,7 @@ from router.placement import PoolKind, PrefillChoice, RoundRobinPrefill, choose_
 from router.pool import Worker, WorkerRegistry
 from router.prefix_index import PrefixIndex
 from router.validation import ValidatedRequest
-from router.worker_client import WorkerError
+from router.worker_client import Failure, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -195,13 +195,16 @@ class Router:
         state = RequestState(f"r{next(self._ids)}", req)
         self.requests[state.id] = self._by_client_id[req.request_id] = state
         try:
-            async for event in self._run(state):
-                state.generated += event.token_ids
-                if event.finish_reason is not None:
-                    state.to(Phase.FINISHED)
-                yield event, state
-                if state.finished:
-                    return
+            # NOTE: aclosing, so the attempt in flight is ended (and its workers told) as soon as this
+            # stream ends, not whenever the garbage collector finalizes the inner generators
+            async with contextlib.aclosing(self._run(state)) as events:
+                async for event in events:
+                    state.generated += event.token_ids
+                    if event.finish_reason is not None:
+                        state.to(Phase.FINISHED)
+                    yield event, state
+                    if state.finished:
+                        return
         except RouterError:
             state.to(Phase.FAILED)
             raise
@@ -219,9 +222,11 @@ class Router:
             clean = False
             try:
                 path = self._disaggregated if self.disaggregated else self._colocated
-                async for event in path(state, att):
-                    yield event
-                clean = True
+                async with contextlib.aclosing(path(state, att)) as events:
+                    async for event in events:
+                        # the last event: the workers ended the attempt themselves, nothing to abort
+                        clean = event.finish_reason is not None
+                        yield event
                 return
             except AttemptFailed as e:
                 state.failures.append(e)
@@ -274,14 +279,14 @@ class Router:
         choice = await self._choose_prefill(state, att.prompt)
         prefill = att.prefill = self.workers[choice.worker_id]
         # NOTE: counted from the moment of choice, so a burst of requests placed together spreads out
-        todo = len(att.prompt) - choice.cached_blocks * self.block_size
-        prefill.inflight_prefill_tokens += todo
+        att.prefill_tokens = len(att.prompt) - choice.cached_blocks * self.block_size
+        prefill.inflight_prefill_tokens += att.prefill_tokens
         try:
             att.decode, att.reservation = await self._reserve(state, att, prefill)
             state.to(Phase.PREFILLING)
             result = await self._prefill(att, prefill)
         finally:
-            prefill.inflight_prefill_tokens -= todo
+            prefill.inflight_prefill_tokens -= att.prefill_tokens
         decode = att.decode
         if result.report is not None and prefill.alive:
             self.apply_report(prefill, result.report)
@@ -384,34 +389,43 @@ class Router:
                                   f"worker holds {largest}; shorten the prompt or give decode workers more memory")
             tried: set[str] = set()
             while True:
+                if not prefill.alive:  # lost while this request waited for room: place it again
+                    raise AttemptFailed(Cause.PREFILL_LOST, prefill.worker_id, "lost before its prefill began")
                 loads = [w.snapshot() for w in decoders if w.worker_id not in tried and w.alive]
                 wid = choose_decode(prefill.info.node_id, need, loads)
                 if wid is None:
                     break
                 tried.add(wid)
-                decode = self.workers[wid]
+                # NOTE: named before the call, so a cancel or timeout mid-call still aborts what it reserved
+                decode = att.decode = self.workers[wid]
                 try:
                     reservation = await decode.client.reserve(att.key, att.prompt, att.params,
                                                               prefill.worker_id, self.config.call_timeout_s)
                 except WorkerError as e:
                     self._call_failed(decode, e, Cause.DECODE_LOST)
+                    self._spawn(self._abort(decode, att.key))  # it may have reserved before timing out
+                    att.forget_decode()
                     logger.warning("reserve on %s failed: %s", wid, e)
                     continue
-                if reservation is not None:
-                    if not prefill.alive:  # lost while we waited: give the blocks back, place again
-                        self._spawn(self._abort(decode, att.key))
-                        raise AttemptFailed(Cause.PREFILL_LOST, prefill.worker_id, "lost before its prefill began")
+                if reservation is not None and decode.alive and prefill.alive:
                     return decode, reservation
-                decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
+                if reservation is not None:  # one of the two was lost during the call
+                    self._spawn(self._abort(decode, att.key))
+                else:
+                    decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
+                att.forget_decode()
             if self.num_queued >= self.config.max_queue:
                 raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
                                   f"the admission queue is full ({self.config.max_queue} waiting); retry later")
             self.num_queued += 1
+            # NOTE: a prompt waiting for decode room is not in the prefill worker's queue: don't count it there
+            prefill.inflight_prefill_tokens -= att.prefill_tokens
             try:
                 await self._wait_room(deadline, f"no decode worker had room for {need} KV blocks within "
                                       f"{self.config.admission_timeout_s:.0f}s; retry later")
             finally:
                 self.num_queued -= 1
+                prefill.inflight_prefill_tokens += att.prefill_tokens
 
     async def _wait_room(self, deadline: float, why: str) -> None:
         """Wait until something may have changed (blocks freed, a worker joined); fail past `deadline`."""
@@ -436,12 +450,15 @@ class Router:
                     if att is None:
                         continue
                     att.queue.put_nowait(delta)
-                    if not att.paused and att.queue.qsize() >= self.config.max_buffered_steps:
-                        att.paused = True
-                        self._spawn(self._flow(worker, att.key, pause=True))
+                    if not att.want_paused and att.queue.qsize() >= self.config.max_buffered_steps:
+                        self._set_flow(worker, att, paused=True)
             why = "its step stream ended"
         except WorkerError as e:
             why = e.reason
+        except Exception as e:  # noqa: BLE001 - whatever broke the stream, the worker cannot be trusted
+            why = f"its step stream failed: {e!r}"
+        # NOTE: even a transient interruption (ActorUnavailableError) ends the worker: tokens in flight on the
+        # broken stream may be gone, and migrating its sequences is exact where resubscribing is not
         self.registry.lose(worker, why)
 
     async def _next_delta(self, att: Attempt, worker: Worker) -> TokenDelta:
@@ -452,9 +469,8 @@ class Router:
             if item.worker_id == worker.worker_id:
                 raise AttemptFailed(Cause.DECODE_LOST, item.worker_id, item.reason)
             # NOTE: the prefill worker was lost after its answer: the decoding attempt does not need it
-        if att.paused and att.queue.qsize() <= self.config.max_buffered_steps // 4:
-            att.paused = False
-            self._spawn(self._flow(worker, att.key, pause=False))
+        if att.want_paused and att.queue.qsize() <= self.config.max_buffered_steps // 4:
+            self._set_flow(worker, att, paused=False)
         if item.finish_reason in ("error", "abort"):
             raise AttemptFailed(Cause.WORKER_ERROR, worker.worker_id,
                                 item.error or f"the worker ended the sequence ({item.finish_reason})")
@@ -462,17 +478,32 @@ class Router:
             self._room.set()
         return item
 
-    async def _flow(self, worker: Worker, key: str, pause: bool) -> None:
-        """Pause or resume one attempt's decoding (backpressure from a slow client)."""
-        try:
-            await (worker.client.pause if pause else worker.client.resume)(key, self.config.call_timeout_s)
-        except WorkerError as e:
-            self._call_failed(worker, e, Cause.WORKER_ERROR)
+    def _set_flow(self, worker: Worker, att: Attempt, paused: bool) -> None:
+        att.want_paused = paused
+        if att.flow_task is None or att.flow_task.done():
+            att.flow_task = self._spawn(self._flow(worker, att))
+
+    async def _flow(self, worker: Worker, att: Attempt) -> None:
+        """Bring the decode worker to the attempt's wanted pause state (backpressure from a slow client),
+        one call at a time, so a resume never overtakes its pause, retrying what fails until it holds, the
+        attempt ends or the worker is lost (a lost pause would leave the stream stuck forever)."""
+        while att.key in self._attempts and worker.alive and att.applied_paused != att.want_paused:
+            want = att.want_paused
+            try:
+                await (worker.client.pause if want else worker.client.resume)(att.key, self.config.call_timeout_s)
+                att.applied_paused = want
+            except WorkerError as e:
+                self._call_failed(worker, e, Cause.WORKER_ERROR)
+                logger.warning("%s of %s on %s failed, retrying: %s", "pause" if want else "resume", att.key,
+                               worker.worker_id, e)
+                await asyncio.sleep(0.1)
 
     def _call_failed(self, worker: Worker, e: WorkerError, cause: Cause) -> AttemptFailed:
         """A call to `worker` failed: if it found the worker dead, lose it now (before liveness would)."""
         if e.lost:
             self.registry.lose(worker, e.reason)
+        elif e.failure is Failure.ERROR:  # the worker raised: it lives, the call failed
+            cause = Cause.WORKER_ERROR
         return AttemptFailed(cause, worker.worker_id, e.reason)
 
     async def _abort(self, worker: Worker, key: str) -> None:
@@ -485,10 +516,11 @@ class Router:
             logger.warning("abort of %s on %s failed: %s", key, worker.worker_id, e)
         self._room.set()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def attempt_keys(router: Router) -> Callable[[], list[str]]:

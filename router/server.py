@@ -176,7 +176,10 @@ class Server:
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
         self.registry = WorkerRegistry()
         self.router = Router(c.router_config(), self.registry, observer=self.observer)
-        self.pools = PoolManager(c.pool_specs(), self.registry, ray_launcher(kv_config),
+        # NOTE: a lease outlives several missed renewals: only a prefill worker declared dead (or a router
+        # gone) lets it lapse
+        lease_s = max(30.0, 3 * c.worker_timeout)
+        self.pools = PoolManager(c.pool_specs(), self.registry, ray_launcher(kv_config, lease_s),
                                  LivenessConfig(worker_timeout_s=c.worker_timeout),
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat)
         await self.pools.start()

@@ -21,6 +21,7 @@ class Failure(enum.Enum):
     LOST = "lost"  # the worker is dead: its actor died or was killed
     TIMEOUT = "timeout"  # no answer in time: stopped, stuck or cut off (liveness decides what it means)
     UNAVAILABLE = "unavailable"  # transiently unreachable (Ray's ActorUnavailableError): not death
+    ERROR = "error"  # the call itself failed (an exception in the worker, an object lost): not death
 
 
 class WorkerError(Exception):
@@ -113,6 +114,8 @@ class RayWorkerClient(WorkerClient):
             raise WorkerError(self.worker_id, f"unavailable: {e}", Failure.UNAVAILABLE) from e
         except ray.exceptions.RayActorError as e:
             raise WorkerError(self.worker_id, f"actor died: {e}", Failure.LOST) from e
+        except ray.exceptions.RayError as e:  # RayTaskError (the worker raised), ObjectLostError, ...
+            raise WorkerError(self.worker_id, f"call failed: {e}", Failure.ERROR) from e
 
     async def info(self) -> WorkerInfo:
         return await self._call(self.actor.info.remote(), None)
@@ -153,9 +156,13 @@ class RayWorkerClient(WorkerClient):
         try:
             async for ref in self.actor.stream_steps.options(num_returns="streaming").remote():
                 yield await ref
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        except ray.exceptions.ActorUnavailableError as e:  # a subclass of RayActorError: test it first
+            raise WorkerError(self.worker_id, f"step stream interrupted: {e}", Failure.UNAVAILABLE) from e
+        except ray.exceptions.RayActorError as e:
             raise WorkerError(self.worker_id, f"step stream ended: {e}", Failure.LOST) from e
-        raise WorkerError(self.worker_id, "step stream ended", Failure.LOST)
+        except ray.exceptions.RayError as e:
+            raise WorkerError(self.worker_id, f"step stream failed: {e}", Failure.ERROR) from e
+        raise WorkerError(self.worker_id, "step stream ended", Failure.ERROR)
 
     async def shutdown(self, timeout: float) -> None:
         await self._call(self.actor.shutdown.remote(), timeout)

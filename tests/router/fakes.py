@@ -65,6 +65,10 @@ class FakeWorker(WorkerClient):
         self.prefill_gate = asyncio.Event()
         self.prefill_gate.set()  # cleared: prefills wait (a long prompt, a deep queue)
         self.prefill_started = asyncio.Event()
+        self.reserve_gate = asyncio.Event()
+        self.reserve_gate.set()  # cleared: reservations take their time
+        self.fail_next_resume = False
+        self.stream_failure: Failure | None = None  # set: the step stream breaks with this failure
         self.fail_next_prefill: str | None = None  # "kv" | "error": the next prefill answers with this failure
         self.lapse_next_start = False
         self.error_next_step = False
@@ -121,7 +125,12 @@ class FakeWorker(WorkerClient):
         return EngineLoad(len(self.running), 0, 0, free, self.num_blocks, 0)
 
     async def reserve(self, key, prompt, params, src, timeout):
+        # NOTE: shielded: like a Ray call, the worker finishes it even when the caller gives up on it
+        return await asyncio.shield(self._reserve(key, prompt, params, src, timeout))
+
+    async def _reserve(self, key, prompt, params, src, timeout):
         await self._timed(self._enter(), timeout)
+        await self.reserve_gate.wait()
         self.keys.append(key)
         assert key not in self.held, f"{key} reserved twice on {self.worker_id}"
         need = cdiv(len(prompt), BLOCK)
@@ -183,6 +192,9 @@ class FakeWorker(WorkerClient):
 
     async def resume(self, key, timeout):
         await self._timed(self._enter(), timeout)
+        if self.fail_next_resume:
+            self.fail_next_resume = False
+            raise WorkerError(self.worker_id, "unavailable: connection reset", Failure.UNAVAILABLE)
         self.paused.discard(key)
         self.flow.append(("resume", key))
 
@@ -191,6 +203,8 @@ class FakeWorker(WorkerClient):
             out = await self._outbox.get()
             if out is None:
                 raise WorkerError(self.worker_id, "step stream ended: actor died", Failure.LOST)
+            if self.stream_failure is not None:
+                raise WorkerError(self.worker_id, "step stream interrupted", self.stream_failure)
             yield out
 
     async def shutdown(self, timeout):
@@ -258,9 +272,12 @@ class FakeCluster:
     def __getitem__(self, worker_id: str) -> FakeWorker:
         return self.workers[worker_id]
 
-    def kill(self, worker_id: str, why: str = "SIGKILL") -> None:
-        """The process dies; the router hears of it the way it would (stream end, failed calls)."""
+    def kill(self, worker_id: str, noticed: bool = True) -> None:
+        """The process dies. `noticed`: liveness (or a decode worker's stream ending) has told the registry,
+        as it would within a heartbeat; otherwise only the failing calls tell the router."""
         self.workers[worker_id].die()
+        if noticed:
+            self.registry.lose(self.registry.get(worker_id), "SIGKILL")
 
     def request(self, rid: str, prompt: list[int], max_tokens: int) -> ValidatedRequest:
         return ValidatedRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), ())

@@ -11,6 +11,7 @@ import pytest
 
 from router.lifecycle import Phase
 from router.router import RouterError
+from router.worker_client import Failure
 from tests.router.fakes import FakeCluster, FakeWorker, reference
 
 PROMPT = list(range(1, 23))  # 22 tokens: 6 blocks of 4
@@ -96,7 +97,8 @@ def test_prefill_loss_never_touches_a_request_decoding_elsewhere():
     run(go())
 
 
-@pytest.mark.parametrize("event", ["prefill_lost", "decode_lost", "kv", "error", "reservation"])
+@pytest.mark.parametrize("event", ["prefill_lost", "prefill_call_fails", "decode_lost", "kv", "error",
+                                   "reservation"])
 def test_failure_before_the_first_token_is_retried_invisibly(event):
     async def go():
         c = FakeCluster(2, 2)
@@ -111,6 +113,8 @@ def test_failure_before_the_first_token_is_retried_invisibly(event):
         p, d = c[state.attempt.prefill.worker_id], c[state.attempt.decode.worker_id]
         if event == "prefill_lost":
             c.kill(p.worker_id)
+        elif event == "prefill_call_fails":
+            c.kill(p.worker_id, noticed=False)  # only the pending prefill call says so
         elif event == "decode_lost":
             c.kill(d.worker_id)
         elif event == "reservation":
@@ -265,7 +269,6 @@ def test_new_requests_wait_for_a_replacement_prefill_worker():
     async def go():
         c = FakeCluster(1, 1)
         c.kill("prefill-0")
-        c.registry.lose(c.registry.get("prefill-0"), "SIGKILL")
         task = asyncio.ensure_future(c.collect(c.request("a", PROMPT, 4)))
         await asyncio.sleep(0.1)
         assert not task.done()
@@ -321,5 +324,77 @@ def test_a_client_that_stops_reading_pauses_its_sequence_on_the_decode_worker():
             tokens += event.token_ids
         assert tokens == reference(PROMPT, 100)
         assert ("resume", key) in d.flow
+
+    run(go())
+
+
+def test_a_reservation_made_after_the_client_left_is_given_back():
+    async def go():
+        c = FakeCluster(1, 1)
+        c["decode-0"].reserve_gate.clear()  # the reserve call is slow; the client cancels meanwhile
+        gen = c.router.generate(c.request("a", PROMPT, 5))
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+        c["decode-0"].reserve_gate.set()  # the worker finishes the reservation anyway
+        await c.settle()
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+
+    run(go())
+
+
+def test_a_failed_resume_is_retried_so_the_stream_never_sticks():
+    async def go():
+        c = FakeCluster(1, 1, max_buffered_steps=8)
+        c["decode-0"].fail_next_resume = True
+        gen = c.router.generate(c.request("slow", PROMPT, 60))
+        tokens = list((await gen.__anext__())[0].token_ids)
+        while not c["decode-0"].paused:
+            await asyncio.sleep(0.005)
+        async for event, _ in gen:
+            tokens += event.token_ids
+        assert tokens == reference(PROMPT, 60)
+        assert [f for f, _ in c["decode-0"].flow] == ["pause", "resume"]  # the failed one is not counted
+
+    run(go())
+
+
+def test_a_broken_step_stream_loses_and_kills_the_worker_and_its_requests_migrate():
+    async def go():
+        c = FakeCluster(1, 2)
+        broke = False
+
+        async def on_event(n, state):
+            nonlocal broke
+            if n >= 3 and not broke:
+                broke = True
+                c[state.decode_worker].stream_failure = Failure.UNAVAILABLE
+
+        tokens, finish, state = await c.collect(c.request("a", PROMPT, 20), on_event)
+        assert tokens == reference(PROMPT, 20) and state.num_attempts == 2
+        lost = [w for w in c.workers.values() if w.killed]
+        assert len(lost) == 1 and lost[0].worker_id == state.failures[0].worker_id
+
+    run(go())
+
+
+def test_a_finished_request_sends_no_abort():
+    async def go():
+        c = FakeCluster(1, 1)
+        aborted = []
+        for w in c.workers.values():
+            orig = w.abort
+
+            async def abort(key, timeout, orig=orig, wid=w.worker_id):
+                aborted.append((wid, key))
+                await orig(key, timeout)
+
+            w.abort = abort
+        await c.collect(c.request("a", PROMPT, 6))
+        await c.settle()
+        assert aborted == []
 
     run(go())
