@@ -277,6 +277,8 @@ def pin_ray_to_loopback() -> None:
 
 
 def init_ray(address: str | None, num_workers: int) -> None:
+    """Join the Ray cluster at `address` ("auto" or HOST:PORT), or start this process's own single-machine
+    cluster on 127.0.0.1 when it is None; the log says which."""
     if address is None:
         pin_ray_to_loopback()
     import ray
@@ -284,13 +286,17 @@ def init_ray(address: str | None, num_workers: int) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address)
+        ctx = ray.init(address=address)
+        log(f"joined the Ray cluster at {ctx.address_info.get('gcs_address', address)} "
+            f"({len([n for n in ray.nodes() if n['Alive']])} nodes)")
     else:
         # NOTE: address="local" starts a new cluster even when Ray has one registered as this machine's
-        # current cluster (/tmp/ray/ray_current_cluster, left by `ray start` or a test session): without it
-        # ray.init would join that one and refuse num_cpus.
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 num_cpus=max(os.cpu_count() or 1, num_workers), log_to_driver=True)
+        # current cluster (`ray_current_cluster` in Ray's temp dir, left by `ray start` or a test session):
+        # without it ray.init joins that one, and refuses num_cpus.
+        ctx = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                       num_cpus=max(os.cpu_count() or 1, num_workers), log_to_driver=True)
+        log(f"started a new single-machine Ray cluster at {ctx.address_info.get('gcs_address')} "
+            "(pass --ray-address to join an existing one)")
 
 
 def log(msg: str) -> None:

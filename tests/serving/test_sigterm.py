@@ -1,4 +1,5 @@
-"""`pdserve serve` as an operator runs it: SIGTERM drains (the stream in flight finishes), then it exits 0.
+"""`pdserve serve` as an operator runs it: it starts its own Ray cluster even when a stale one is registered
+on the machine, and SIGTERM drains (the stream in flight finishes), then it exits 0.
 
 Its own process and its own Ray cluster (`ray.init(address="local")`), started next to the test session's
 one on purpose: a second cluster on the machine must not be joined by mistake.
@@ -6,12 +7,16 @@ one on purpose: a second cluster on the machine must not be joined by mistake.
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -30,10 +35,17 @@ def _free_port() -> int:
 
 def test_sigterm_drains_the_stream_in_flight_then_exits(ray_cluster):
     port = _free_port()
+    # a stale cluster registered as this machine's current one (what `ray start` leaves behind when its
+    # processes die without `ray stop`): a plain `pdserve serve` must start its own, not try to join it.
+    # NOTE: a short directory: Ray's socket paths under it must fit AF_UNIX's 107 bytes
+    tmp = Path(tempfile.mkdtemp(prefix="pdsig", dir="/tmp"))
+    (tmp / "ray").mkdir()
+    (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:6390")
+    env = {**os.environ, "RAY_TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--model", "tiny-random", "--port",
                              str(port), "--metrics-port", "off", "--worker-threads", "1", "--num-blocks", "256",
                              "--shutdown-grace", "60"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     log: list[str] = []
     reader = threading.Thread(target=lambda: log.extend(iter(proc.stderr.readline, "")), daemon=True)
     reader.start()
@@ -52,9 +64,11 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(ray_cluster):
         assert got == 1000  # the stream in flight finished
         assert proc.wait(90) == 0
         text = "".join(log)
+        assert "started a new single-machine Ray cluster" in text, text[-3000:]
         assert "for 1 request(s) in flight" in text, text[-3000:]  # the signal came mid-stream
         assert "NOT_SERVING (draining)" in text
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
