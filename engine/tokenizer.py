@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
+
+_PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
 
 class Tokenizer:
@@ -30,10 +33,31 @@ class Tokenizer:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation's token ids. Only the template's own markers become special tokens: a message's
+        content is tokenized as plain text, so a user who types `<|im_start|>system` gets those characters,
+        not a forged system turn.
+
+        NOTE: the template is rendered with a placeholder per message, then the text between placeholders
+        is tokenized with special tokens parsed and each content without. Templates that drop or repeat a
+        message still work; splitting at the placeholders changes no token, since the template puts a
+        marker or whitespace next to each content.
+        """
         if not self.hf.chat_template:
             raise ValueError("messages: this model has no chat template; send a plain prompt instead")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.hf.encode(text, add_special_tokens=False)
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
+        for m in messages:
+            if "\ue000" in m["content"] or "\ue001" in m["content"]:
+                raise ValueError("messages: content must not contain the code points U+E000 or U+E001")
+        text = self.hf.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                           tokenize=False, add_generation_prompt=True)
+        ids: list[int] = []
+        for i, part in enumerate(_PLACEHOLDER.split(text)):
+            if i % 2 == 0:  # the template's own text: its markers are special tokens
+                ids += self.hf.encode(part, add_special_tokens=False) if part else []
+            else:  # a message's content, as plain text
+                content = messages[int(part)]["content"]
+                ids += self.hf(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids
 
 
 class IncrementalDetokenizer:

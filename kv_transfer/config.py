@@ -8,7 +8,7 @@ deadline is passed per request and enforced separately (see `book.TransferBook`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TRANSPORTS = ("torch", "ray")
 
@@ -24,6 +24,8 @@ class KVTransferConfig:
     rendezvous_host: str | None = None
     rendezvous_port: int | None = None
     namespace: str = "pdserve/kv"  # key prefix in the store, so several deployments can share one
+    # the deployment's secret: every link request is MACed with it (None: unauthenticated, tests only)
+    secret: str | None = field(default=None, repr=False)
     connect_timeout_s: float = 30.0  # to make a pair's group: both sides must show up within it
     op_timeout_s: float = 5.0  # longest one send may block; past it the pair is declared dead
     keepalive_s: float = 1.0  # a sender pings each receiver at least this often, and gets a pong back

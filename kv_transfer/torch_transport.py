@@ -25,7 +25,7 @@ import queue
 import threading
 import uuid
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -59,6 +59,7 @@ from kv_transfer.wire import HEADER_LEN, Header, LinkError, MsgKind, RecvLink, S
 log = logging.getLogger(__name__)
 
 _LISTEN_TIMEOUT_S = 3600.0  # a listener's blocking pop; close() wakes it with a sentinel instead
+_MAX_SEEN_LINKS = 100_000  # link ids remembered against replays (far more than open within MAX_REQUEST_AGE_S)
 _CLOSE = "close"
 _WINDOW = 4  # messages a sending link holds (handed over, not yet out) before `send` waits
 # Framing (part of the wire protocol: change it, bump wire.PROTOCOL_VERSION). A message with a payload
@@ -351,8 +352,9 @@ class TorchKVSender(LayerwiseSender):
         cfg = self.config
         assert cfg.rendezvous_host is not None and cfg.rendezvous_port is not None
         store = connect_store(cfg.rendezvous_host, cfg.rendezvous_port, cfg.connect_timeout_s)
-        request = LinkRequest(self.endpoint_id, uuid.uuid4().hex, self._device)
-        store.queue_push(accept_queue_key(cfg.namespace, dst.endpoint_id, dst.incarnation), request.to_json())
+        queue = accept_queue_key(cfg.namespace, dst.endpoint_id, dst.incarnation)
+        request = LinkRequest.signed(self.endpoint_id, uuid.uuid4().hex, self._device, queue, cfg.secret)
+        store.queue_push(queue, request.to_json())
         nccl = self.cache.device if use_nccl(self._device, dst.device) else None
         group = PairGroup(store, link_prefix(cfg.namespace, request.link_id), SENDER_RANK, self.host,
                           cfg.connect_timeout_s, nccl)
@@ -370,6 +372,7 @@ class TorchKVReceiver(LayerwiseReceiver):
         self._address = PeerAddress("torch", endpoint_id, uuid.uuid4().hex[:12], device_tag(cache.device))
         assert config.rendezvous_host is not None and config.rendezvous_port is not None
         self._queue = accept_queue_key(config.namespace, endpoint_id, self._address.incarnation)
+        self._seen_links: OrderedDict[str, None] = OrderedDict()  # link ids accepted lately (replays)
         self._listen_store = connect_store(config.rendezvous_host, config.rendezvous_port, _LISTEN_TIMEOUT_S)
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()  # wakes a listener backing off from a store outage
@@ -423,10 +426,17 @@ class TorchKVReceiver(LayerwiseReceiver):
                 continue
             try:
                 request = LinkRequest.from_json(raw)
+                request.verify(self._queue, cfg.secret)
+                if request.link_id in self._seen_links:
+                    raise ValueError(f"link id {request.link_id} was used before: a replay")
             except ValueError as e:
                 # NOTE: one bad entry must not take the listener (and every future link) down with it.
-                log.warning("KV receiver %s: dropped a malformed link request: %s", self.endpoint_id, e)
+                log.warning("KV receiver %s: dropped a malformed or unauthenticated link request: %s",
+                            self.endpoint_id, e)
                 continue
+            self._seen_links[request.link_id] = None
+            while len(self._seen_links) > _MAX_SEEN_LINKS:  # older ones are past MAX_REQUEST_AGE_S anyway
+                self._seen_links.popitem(last=False)
             t = threading.Thread(target=self._serve, args=(request,), daemon=True,
                                  name=f"kv-recv-{self.endpoint_id}<-link")
             self._threads = [x for x in self._threads if x.is_alive()] + [t]

@@ -66,6 +66,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "declared dead, killed and replaced")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish")
+    sec = p.add_argument_group("security (README: Security)")
+    sec.add_argument("--metrics-host", default=None,
+                     help="address /metrics binds (default: --host); a cluster-internal one keeps it inside")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA: mutual TLS, clients must present a certificate it signed")
+    sec.add_argument("--api-key", default=None,
+                     help="require 'authorization: Bearer KEY' on every call but health "
+                          "(default: $PDSERVE_API_KEY; prefer the variable: flags show in `ps`)")
     p.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port, bound on --host (default 9400; 0: any free port; "
                         "'off': no endpoint)")
@@ -82,10 +92,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
+    from router.security import add_client_args
+
+    add_client_args(p)
 
 
 def serve_config(args: argparse.Namespace):
     """`pdserve serve`'s arguments as a ServeConfig (ValueError names a bad flag)."""
+    from router.security import resolve_api_key
     from router.server import ServeConfig
 
     return ServeConfig(
@@ -97,7 +111,9 @@ def serve_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue, admission_timeout_s=args.admission_timeout,
         max_queued_prefill_tokens=args.max_queued_prefill_tokens, migration_limit=args.migration_limit,
-        worker_timeout=args.worker_timeout, shutdown_grace=args.shutdown_grace, metrics_port=args.metrics_port, device=args.device, dtype=args.dtype)
+        worker_timeout=args.worker_timeout, shutdown_grace=args.shutdown_grace, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, device=args.device, dtype=args.dtype)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -124,6 +140,7 @@ def generate(args: argparse.Namespace) -> int:
 
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+    from router.security import client_security
 
     sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
     if args.seed is not None:
@@ -133,7 +150,12 @@ def generate(args: argparse.Namespace) -> int:
         req.messages.messages.append(pb.ChatMessage(role="user", content=args.prompt))
     else:
         req.prompt = args.prompt
-    with grpc.insecure_channel(args.server) as channel:
+    try:
+        security = client_security(args)
+    except ValueError as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
+    with security.channel(args.server) as channel:
         try:
             last = None
             for res in pb_grpc.GenerationStub(channel).Generate(req):

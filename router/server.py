@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +27,7 @@ from router.metrics import Metrics, MetricsEndpoint
 from router.placement import PoolKind
 from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry, ray_launcher
 from router.router import Router, RouterConfig
+from router.security import ApiKeyInterceptor, TLSConfig
 from router.servicer import GenerationServicer, RequestObserver
 from router.validation import Limits
 
@@ -59,8 +62,13 @@ class ServeConfig:
     worker_timeout: float = 10.0  # no heartbeat, or no engine progress with work to do, this long: dead
     shutdown_grace: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     metrics_port: int | None = 9400  # Prometheus /metrics; None -> no metrics endpoint, 0 -> any free port
+    metrics_host: str | None = None  # where /metrics binds; None -> --host (scrape it from inside only)
     device: str | None = None
     dtype: str | None = None
+    tls_cert: str | None = None  # PEM: serve gRPC over TLS with this certificate chain ...
+    tls_key: str | None = None  # ... and private key
+    tls_client_ca: str | None = None  # mutual TLS: clients must present a certificate this CA signed
+    api_key: str | None = field(default=None, repr=False)  # every call but health needs "Bearer <key>"
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers", "colocated_workers"):
@@ -71,6 +79,12 @@ class ServeConfig:
                              "pass --prefill-workers 0 --decode-workers 0")
         if not self.colocated_workers and not (self.prefill_workers and self.decode_workers):
             raise ValueError("need at least one prefill and one decode worker (or --colocated-workers N)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: pass both, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty")
         if self.worker_timeout <= 0.5:
             raise ValueError(f"--worker-timeout must be > 0.5 seconds (the heartbeat interval), got "
                              f"{self.worker_timeout}")
@@ -96,6 +110,14 @@ class ServeConfig:
                             max_model_len=self.max_model_len, num_threads=threads,
                             cache=CacheConfig(self.block_size, self.num_blocks),
                             scheduler=SchedulerConfig(self.max_num_seqs, budget))
+
+    def tls(self) -> TLSConfig | None:
+        """The TLS files, checked to exist (ValueError naming the flag): at start, not at parse time, so a
+        deploy file's command parses anywhere."""
+        if self.tls_cert is None:
+            return None
+        return TLSConfig(Path(self.tls_cert), Path(self.tls_key),
+                         Path(self.tls_client_ca) if self.tls_client_ca else None)
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(self.block_size, self.routing, self.max_queue, self.admission_timeout_s,
@@ -146,7 +168,7 @@ class Server:
         servicer = GenerationServicer(c.model, tokenizer, limits, c.block_size, self.observer)
         self.servicer = servicer
 
-        self.grpc = grpc.aio.server()
+        self.grpc = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -154,7 +176,14 @@ class Server:
             (pb.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME,
              reflection.SERVICE_NAME), self.grpc)
         try:
-            self.port = self.grpc.add_insecure_port(f"{c.host}:{c.port}")
+            tls = c.tls()
+        except ValueError as e:
+            raise ServeError(str(e)) from e
+        try:
+            if tls is not None:
+                self.port = self.grpc.add_secure_port(f"{c.host}:{c.port}", tls.server_credentials())
+            else:
+                self.port = self.grpc.add_insecure_port(f"{c.host}:{c.port}")
         except RuntimeError as e:
             raise ServeError(f"cannot listen on {c.host}:{c.port} ({e}); is the port taken? "
                              "Pass another --port.") from e
@@ -163,13 +192,14 @@ class Server:
         await self.grpc.start()
         if self.metrics is not None and c.metrics_port is not None:
             try:
-                self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, c.host, c.metrics_port)
+                self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, c.metrics_host or c.host,
+                                                        c.metrics_port)
             except OSError as e:
                 await self.grpc.stop(None)
                 raise ServeError(f"cannot serve metrics on {c.host}:{c.metrics_port} ({e}); is the "
                                  "port taken? Pass another --metrics-port (0: any free port).") from e
             self.metrics_port = self.metrics_endpoint.port
-            log(f"Prometheus metrics on http://{c.host}:{self.metrics_port}/metrics")
+            log(f"Prometheus metrics on http://{c.metrics_host or c.host}:{self.metrics_port}/metrics")
 
         kv_config = self._kv_config()
         log(f"starting {c.num_workers} workers for {c.model} "
@@ -186,7 +216,9 @@ class Server:
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         servicer.router = self.router
         self._tasks.append(asyncio.ensure_future(self._watch_health()))
-        log(f"serving {c.model} on {c.host}:{self.port}")
+        door = ("mutual TLS" if tls.client_ca else "TLS") if tls is not None else "plaintext"
+        log(f"serving {c.model} on {c.host}:{self.port} ({door}, "
+            f"{'API key required' if c.api_key else 'no API key'})")
 
     async def _watch_health(self) -> None:
         """SERVING while every pool has a live worker and the server admits requests; NOT_SERVING else."""
@@ -235,7 +267,10 @@ class Server:
         # NOTE: the store must be reachable from every worker's node: bind it to this node's Ray address.
         _, host = node_identity()
         self.rendezvous = RendezvousServer(host, 0)
-        return KVTransferConfig(kv_transport="torch", rendezvous_host=host, rendezvous_port=self.rendezvous.port)
+        # NOTE: a fresh secret per deployment, handed to the workers inside this config (through Ray, over the
+        # cluster network the threat model trusts): every link request in the store must carry its MAC
+        return KVTransferConfig(kv_transport="torch", rendezvous_host=host, rendezvous_port=self.rendezvous.port,
+                                secret=secrets.token_hex(32))
 
     async def stop(self) -> None:
         if self._stopped:

@@ -27,12 +27,14 @@ from benchmarks.serving.load import Load
 from benchmarks.serving.report import LayoutRun, format_probes, format_table, plot, write_json
 from benchmarks.serving.stats import SLO
 from benchmarks.serving.workloads import Vocab, make_workload
+from router.security import ClientSecurity, add_client_args, client_security
 
 
 def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--server", metavar="HOST:PORT", help="measure a running pdserve server")
+    target.add_argument("--server", metavar="HOST:PORT", help="measure a running pdserve server (see the "
+                        "TLS and API-key flags below to reach a protected one)")
     target.add_argument("--launch", nargs="+", metavar="LAYOUT",
                         help="start these layouts in turn and measure each: NpMd (N prefill + M decode workers) "
                              "or Nc (N colocated), optionally :round-robin, e.g. 1p1d 2c 2p1d:round-robin")
@@ -62,6 +64,7 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="after the last send, give up on requests still streaming after this many seconds")
+    add_client_args(p)
     srv = p.add_argument_group("layouts started with --launch")
     srv.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-random, an HF dir or a .gguf")
     srv.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_all(args: argparse.Namespace, layouts: list[Layout], plan: Plan) -> list[LayoutRun]:
     """Start the layouts (every one stays up until the end; see `compare`), then compare."""
     if args.server:
-        return asyncio.run(_bench([(None, args.server)], plan))
+        return asyncio.run(_bench([(None, args.server)], plan, client_security(args)))
     options = dict(model=args.model, port=0, metrics_port=None, worker_threads=args.worker_threads,
                    num_blocks=args.num_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_transport=args.kv_transport)
@@ -126,16 +129,16 @@ def run_all(args: argparse.Namespace, layouts: list[Layout], plan: Plan) -> list
         return asyncio.run(_bench(servers, plan))
 
 
-async def _bench(servers: list[tuple[Layout | None, str]], plan: Plan) -> list[LayoutRun]:
-    import grpc
-
+async def _bench(servers: list[tuple[Layout | None, str]], plan: Plan,
+                 security: ClientSecurity | None = None) -> list[LayoutRun]:
+    security = security or ClientSecurity()
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
     async with contextlib.AsyncExitStack() as stack:
         targets = []
         for layout, address in servers:
-            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+            channel = await stack.enter_async_context(security.aio_channel(address))
             stub = pb_grpc.GenerationStub(channel)
             info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
             for w in plan.workloads:

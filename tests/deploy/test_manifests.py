@@ -40,7 +40,7 @@ def test_ray_up_cluster_has_a_node_type_per_pool_and_serves_on_the_head():
     assert types["decode_gpu"]["resources"]["GPU"] == 1 and types["decode_gpu"]["resources"]["decode_node"] == 1
     assert c["docker"]["image"].startswith(f"rayproject/ray:{RAY_MINOR}.")
     assert any("pip install" in cmd and "/home/ray/pdserve" in cmd for cmd in c["setup_commands"])
-    serve = serve_command("\n".join(c["head_start_ray_commands"]))
+    serve = serve_command(next(cmd for cmd in c["head_start_ray_commands"] if "pdserve serve" in cmd))
     assert serve.ray_address == "auto" and serve.host == "0.0.0.0"
     assert (serve.port, serve.metrics_port) == (50051, 9400)
     # every pool asks for resources that exactly one node type offers
@@ -50,6 +50,20 @@ def test_ray_up_cluster_has_a_node_type_per_pool_and_serves_on_the_head():
     for kind, wanted in res.items():
         offering = [n for n, t in types.items() if all(t["resources"].get(k, 0) >= v for k, v in wanted.items())]
         assert len(offering) == 1, (kind, offering)
+
+
+def test_ray_up_cluster_exposes_nothing_but_a_protected_front_door():
+    c = load("ray/cluster.yaml")
+    commands = "\n".join(c["head_start_ray_commands"] + c["worker_start_ray_commands"])
+    assert "0.0.0.0" not in re.sub(r"pdserve serve.*", "", commands)  # only the front door binds all addresses
+    assert "--dashboard-host=127.0.0.1" in commands
+    assert "--env RAY_AUTH_MODE=token" in c["docker"]["run_options"]
+    assert "/home/ray/.ray/auth_token" in c["file_mounts"]
+    serve_text = next(cmd for cmd in c["head_start_ray_commands"] if "pdserve serve" in cmd)
+    serve = serve_command(serve_text)
+    assert serve.tls_cert and serve.tls_key  # TLS on the front door
+    assert "PDSERVE_API_KEY=" in serve_text  # the API key, from a secret file, never on the command line
+    assert serve.metrics_host not in (None, "0.0.0.0")  # metrics on the private address only
 
 
 def test_kuberay_cluster_job_and_service_fit_together():
@@ -76,6 +90,35 @@ def test_kuberay_cluster_job_and_service_fit_together():
     assert {p["port"] for p in service["spec"]["ports"]} == {serve.port, serve.metrics_port}
     res = pool_resources(serve)
     assert res[PoolKind.PREFILL]["prefill_node"] == 1 and res[PoolKind.DECODE]["decode_node"] == 1
+
+
+def test_kuberay_files_expose_nothing_but_a_protected_front_door():
+    cluster = load("kuberay/raycluster.yaml")
+    policy = load("kuberay/networkpolicy.yaml")
+    job = load("kuberay/rayjob-serve.yaml")
+    assert cluster["spec"]["authOptions"]["mode"] == "token"  # Ray's token authentication
+    head_spec = cluster["spec"]["headGroupSpec"]
+    assert head_spec["rayStartParams"]["dashboard-host"] == "127.0.0.1"
+    head = head_spec["template"]["spec"]["containers"][0]
+    assert {p["containerPort"] for p in head["ports"]}.isdisjoint({8265, 10001})  # no dashboard, no Ray client
+    env = {e["name"]: e for e in head["env"]}
+    assert env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "pdserve-api-key"
+    serve = serve_command(job["spec"]["entrypoint"])
+    mounts = {m["mountPath"] for m in head["volumeMounts"]}
+    assert serve.tls_cert and str(Path(serve.tls_cert).parent) in mounts and serve.api_key is None
+    # the policy: the cluster's own pods, the front door from anywhere, metrics from monitoring only
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    open_ports = set()
+    for rule in policy["spec"]["ingress"]:
+        ports = {p["port"] for p in rule.get("ports", [])}
+        if "from" not in rule:
+            open_ports |= ports
+        elif ports == {serve.metrics_port}:
+            assert all("namespaceSelector" in f or "podSelector" in f for f in rule["from"])
+        else:
+            assert rule["from"] == [{"podSelector": {"matchLabels": {"ray.io/cluster": "pdserve"}}}] and not ports
+    assert open_ports == {serve.port}
 
 
 def test_dockerfile_base_image_matches_the_ray_we_install():

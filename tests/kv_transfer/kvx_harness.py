@@ -29,11 +29,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SENTINEL = 7  # byte value of blocks the receiver "already holds in its prefix cache"
 
 
-def make_config(transport: str, port: int | None) -> KVTransferConfig:
-    """Timeouts short enough that failure tests finish in seconds, long enough for a loaded 2-core box."""
+SECRET = "test-deployment-secret"
+
+
+def make_config(transport: str, port: int | None, secret: str | None = SECRET) -> KVTransferConfig:
+    """Timeouts short enough that failure tests finish in seconds, long enough for a loaded 2-core box.
+    Link requests are authenticated, as in a deployment, unless `secret` is None."""
     return KVTransferConfig(kv_transport=transport, rendezvous_host=HOST if transport == "torch" else None,
                             rendezvous_port=port if transport == "torch" else None, connect_timeout_s=20.0,
-                            op_timeout_s=2.0, keepalive_s=0.25, liveness_s=2.0)
+                            op_timeout_s=2.0, keepalive_s=0.25, liveness_s=2.0, secret=secret)
 
 
 @dataclass(frozen=True)

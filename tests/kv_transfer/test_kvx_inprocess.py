@@ -319,9 +319,9 @@ def test_a_sender_of_another_wire_protocol_is_told_why_and_nothing_crashes(rende
         cfg = make_config("torch", rendezvous.port)
         store = connect_store(HOST, rendezvous.port, cfg.connect_timeout_s)
         address = p.receiver.address
-        request = LinkRequest("time-traveller", "old-link-1", "cpu")
-        store.queue_push(accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation),
-                         request.to_json())
+        queue = accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation)
+        request = LinkRequest.signed("time-traveller", "old-link-1", "cpu", queue, cfg.secret)
+        store.queue_push(queue, request.to_json())
         group = PairGroup(store, link_prefix(cfg.namespace, request.link_id), SENDER_RANK, HOST,
                           cfg.connect_timeout_s, None)
         assert group.peer == RECEIVER_RANK
@@ -408,5 +408,64 @@ def test_garbage_on_the_accept_queue_is_dropped_and_links_still_form(rendezvous,
     finally:
         if extra is not None:
             extra.close()
+        p.sender.close()
+        p.receiver.close()
+
+
+def test_forged_and_replayed_link_requests_are_refused_and_real_transfers_still_land(rendezvous, caplog):
+    """Well-formed link requests that are not the deployment's: signed with another secret, stale, meant
+    for another receiver, unsigned, or a replay of a link id already accepted. Each is dropped and logged;
+    the listener lives on and a real transfer right after lands bit for bit."""
+    import dataclasses
+    import hashlib
+    import hmac
+    import logging
+
+    from kv_transfer.rendezvous import MAX_REQUEST_AGE_S, LinkRequest, accept_queue_key, connect_store
+
+    p = make_pair("torch", rendezvous.port)
+    try:
+        cfg = make_config("torch", rendezvous.port)
+        store = connect_store(HOST, rendezvous.port, cfg.connect_timeout_s)
+        address = p.receiver.address
+        queue = accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation)
+        other_queue = accept_queue_key(cfg.namespace, address.endpoint_id, "another-incarnation")
+        # a genuine request, signed as of 3 minutes ago
+        stale = LinkRequest.signed("mallory", "stale-1", "cpu", queue, None)
+        stale = dataclasses.replace(stale, ts=str(int(stale.ts) - int((MAX_REQUEST_AGE_S + 60) * 1000)))
+        stale = dataclasses.replace(stale, mac=hmac.new(cfg.secret.encode(), stale._message(queue),
+                                                        hashlib.sha256).hexdigest())
+        replayed = LinkRequest.signed("mallory", "replayed-1", "cpu", queue, cfg.secret)
+        forged = [
+            LinkRequest.signed("mallory", "wrong-secret", "cpu", queue, "not-the-secret"),
+            LinkRequest.signed("mallory", "unsigned", "cpu", queue, None),
+            LinkRequest.signed("mallory", "elsewhere", "cpu", other_queue, cfg.secret),
+            dataclasses.replace(LinkRequest.signed(p.sender.endpoint_id, "tampered", "cpu", queue, cfg.secret),
+                                sender="prefill-impostor"),
+            stale,
+            replayed,  # accepted once (its link never forms: nobody is behind it) ...
+            replayed,  # ... and refused the second time
+        ]
+        with caplog.at_level(logging.WARNING, logger=torch_transport.__name__):
+            for req in forged:
+                store.queue_push(queue, req.to_json())
+            deadline = time.monotonic() + 10
+            while store.queue_len(queue) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+        dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert len(dropped) == len(forged) - 1, dropped
+        for why in ("wrong MAC", "old", "replay"):
+            assert any(why in m for m in dropped), (why, dropped)
+
+        src, dst = p.tx.allocator.allocate(4), p.rx.allocator.allocate(4)
+        p.receiver.expect("real", p.sender.endpoint_id, dst, time.monotonic() + 15)
+        p.sender.begin("real", p.receiver.address, src, dst, time.monotonic() + 15)
+        for layer in range(SPEC.num_layers):
+            p.sender.send_layer("real", layer)
+        rx, tx = p.receiver.wait("real", 15), p.sender.wait("real", 15)
+        assert rx.ok and tx.ok, (rx.error, tx.error)
+        assert landed(p, src, dst)
+    finally:
         p.sender.close()
         p.receiver.close()
