@@ -66,6 +66,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "declared dead, killed and replaced")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the OpenAI-compatible HTTP door (/v1/completions, /v1/chat/completions), bound to "
+                        "--host like gRPC; 0 turns it off")
     sec = p.add_argument_group("security (README: Security)")
     sec.add_argument("--metrics-host", default=None,
                      help="address /metrics binds (default: --host); a cluster-internal one keeps it inside")
@@ -113,7 +116,7 @@ def serve_config(args: argparse.Namespace):
         max_queued_prefill_tokens=args.max_queued_prefill_tokens, migration_limit=args.migration_limit,
         worker_timeout=args.worker_timeout, shutdown_grace=args.shutdown_grace, tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, device=args.device, dtype=args.dtype)
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype)
 
 
 def serve(args: argparse.Namespace) -> int:

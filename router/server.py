@@ -23,12 +23,14 @@ from engine.messages import node_identity
 from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.http_api import HttpDoor, HttpServer
 from router.metrics import Metrics, MetricsEndpoint
+from router.observer import RequestObserver
 from router.placement import PoolKind
 from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry, ray_launcher
 from router.router import Router, RouterConfig
 from router.security import ApiKeyInterceptor, TLSConfig
-from router.servicer import GenerationServicer, RequestObserver
+from router.servicer import GenerationServicer
 from router.validation import Limits
 
 logger = logging.getLogger("pdserve")
@@ -63,6 +65,8 @@ class ServeConfig:
     shutdown_grace: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     metrics_port: int | None = 9400  # Prometheus /metrics; None -> no metrics endpoint, 0 -> any free port
     metrics_host: str | None = None  # where /metrics binds; None -> --host (scrape it from inside only)
+    http_port: int | None = None  # the OpenAI-compatible HTTP door; None -> off, 0 -> any free port
+    # (`pdserve serve` turns it on at 8000)
     device: str | None = None
     dtype: str | None = None
     tls_cert: str | None = None  # PEM: serve gRPC over TLS with this certificate chain ...
@@ -99,6 +103,11 @@ class ServeConfig:
                 raise ValueError(f"--metrics-port must be in 0..65535 (0: any free port), got {self.metrics_port}")
             if self.metrics_port == self.port != 0:
                 raise ValueError(f"--metrics-port and --port are both {self.port}; give them different ports")
+        if self.http_port is not None:
+            if not 0 <= self.http_port < 65536:
+                raise ValueError(f"--http-port must be in 1..65535 (0: off), got {self.http_port}")
+            if self.http_port != 0 and self.http_port in (self.port, self.metrics_port):
+                raise ValueError(f"--http-port {self.http_port} is also --port or --metrics-port; give it its own")
 
     @property
     def num_workers(self) -> int:
@@ -152,11 +161,14 @@ class Server:
         self.metrics_endpoint: MetricsEndpoint | None = None
         self.metrics_port: int | None = None  # the bound port once started (config.metrics_port may be 0)
         self.grpc: grpc.aio.Server | None = None
+        self.http: HttpServer | None = None
+        self.http_port: int | None = None  # the bound port once started
         self.router: Router | None = None
         self.rendezvous = None
         self.port = config.port
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
+        self._serving = False
 
     async def start(self) -> None:
         c = self.config
@@ -201,6 +213,19 @@ class Server:
             self.metrics_port = self.metrics_endpoint.port
             log(f"Prometheus metrics on http://{c.metrics_host or c.host}:{self.metrics_port}/metrics")
 
+        if c.http_port is not None:
+            self.http_door = HttpDoor(c.model, tokenizer, limits, self.observer or RequestObserver(), c.api_key,
+                                      serving=lambda: self._serving)
+            try:
+                self.http = HttpServer(self.http_door, c.host, c.http_port, tls)
+            except OSError as e:
+                await self.grpc.stop(None)
+                raise ServeError(f"cannot serve HTTP on {c.host}:{c.http_port} ({e}); is the port taken? "
+                                 "Pass another --http-port (0: off).") from e
+            self.http_port = self.http.port
+            self.http.start()
+            log(f"OpenAI-compatible HTTP on http{'s' if tls else ''}://{c.host}:{self.http_port}/v1")
+
         kv_config = self._kv_config()
         log(f"starting {c.num_workers} workers for {c.model} "
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
@@ -215,6 +240,8 @@ class Server:
         await self.pools.start()
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         servicer.router = self.router
+        if self.http is not None:
+            self.http_door.router = self.router
         self._tasks.append(asyncio.ensure_future(self._watch_health()))
         door = ("mutual TLS" if tls.client_ca else "TLS") if tls is not None else "plaintext"
         log(f"serving {c.model} on {c.host}:{self.port} ({door}, "
@@ -232,6 +259,7 @@ class Server:
                 if not live and spec.num_workers:
                     empty.append(spec.kind.value)
             now = not empty and not self.router.draining
+            self._serving = now
             if now != serving:
                 status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
                 for name in ("", SERVICE):
@@ -248,6 +276,7 @@ class Server:
         grace = self.config.shutdown_grace if grace_s is None else grace_s
         if self.router is not None:
             self.router.draining = True
+            self._serving = False
             for name in ("", SERVICE):
                 await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             n = len(self.router.requests)
@@ -280,6 +309,8 @@ class Server:
             t.cancel()
         if self.grpc is not None:
             await self.grpc.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self.router is not None:
             await self.pools.close()
             await self.router.close()

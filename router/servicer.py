@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.observer import RequestObserver
 from router.placement import PoolKind
 from router.router import RequestState, Router, RouterError
-from router.stop import StopStringMatcher
+from router.streaming import stream_text
 from router.validation import InvalidArgument, Limits, ValidatedRequest, validate_request
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
@@ -35,33 +37,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             req = validate_request(request, self.limits, self.tokenizer)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
-        stops = StopStringMatcher(req.stop)
-        completion = 0
-        outcome = "cancelled"
-        state: RequestState | None = None
-        stream = self.router.generate(req)
+        chunks = stream_text(self.router, req, self.tokenizer, self.observer)
         try:
-            async for event, state in stream:
-                completion += len(event.token_ids)
-                stop = stops.add(detok.add(event.token_ids))
-                finish = "stop" if stop.stopped else event.finish_reason
-                text = stop.text
-                if finish is not None and not stop.stopped:
-                    tail = stops.flush()
-                    text += tail.text
-                    finish = "stop" if tail.stopped else finish
-                self.observer.on_event(req, state, event)
-                yield self._response(req, state, event.token_ids, text, finish, completion)
-                if finish is not None:
-                    outcome = finish
-                    return
+            async with contextlib.aclosing(chunks):
+                async for c in chunks:
+                    yield self._response(req, c.state, c.token_ids, c.text, c.finish, c.completion_tokens)
+                    if c.finish is not None:
+                        return
         except RouterError as e:
-            outcome = "error"
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        finally:
-            await stream.aclose()  # a stop string or a cancel ends the router's stream: it frees the blocks
-            self.observer.on_end(req, state, outcome, completion)  # state is None if it never started
 
     def _response(self, req: ValidatedRequest, state: RequestState, token_ids: list[int], text: str,
                   finish: str | None, completion: int) -> pb.GenerateResponse:

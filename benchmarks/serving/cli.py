@@ -33,8 +33,9 @@ from router.security import ClientSecurity, add_client_args, client_security
 def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--server", metavar="HOST:PORT", help="measure a running pdserve server (see the "
-                        "TLS and API-key flags below to reach a protected one)")
+    target.add_argument("--server", metavar="HOST:PORT", help="measure a running server: pdserve over gRPC "
+                        "(HOST:PORT; TLS and API-key flags below), or with --backend openai any OpenAI-compatible "
+                        "server (http://HOST:PORT)")
     target.add_argument("--launch", nargs="+", metavar="LAYOUT",
                         help="start these layouts in turn and measure each: NpMd (N prefill + M decode workers) "
                              "or Nc (N colocated), optionally :round-robin, e.g. 1p1d 2c 2p1d:round-robin")
@@ -64,6 +65,11 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="after the last send, give up on requests still streaming after this many seconds")
+    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                   help="how to reach --server: pdserve's gRPC, or the OpenAI HTTP API (/v1/completions, "
+                        "streamed token-id prompts)")
+    p.add_argument("--served-model", default=None,
+                   help="--backend openai: the model name to send (default: the server's first in /v1/models)")
     add_client_args(p)
     srv = p.add_argument_group("layouts started with --launch")
     srv.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-random, an HF dir or a .gguf")
@@ -114,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_all(args: argparse.Namespace, layouts: list[Layout], plan: Plan) -> list[LayoutRun]:
     """Start the layouts (every one stays up until the end; see `compare`), then compare."""
+    if args.server and args.backend == "openai":
+        return asyncio.run(_bench_openai(args.server, plan, client_security(args).api_key, args.served_model))
+    if args.backend == "openai":
+        raise ValueError("--backend openai measures a running server: pass --server http://HOST:PORT")
     if args.server:
         return asyncio.run(_bench([(None, args.server)], plan, client_security(args)))
     options = dict(model=args.model, port=0, metrics_port=None, worker_threads=args.worker_threads,
@@ -146,6 +156,22 @@ async def _bench(servers: list[tuple[Layout | None, str]], plan: Plan,
             label, description = (layout.label, layout.description) if layout else _describe(info, address)
             targets.append(Target(label, description, stub, Vocab.for_model(info.vocab_size)))
         return await compare(targets, plan)
+
+
+async def _bench_openai(url: str, plan: Plan, api_key: str | None, model: str | None) -> list[LayoutRun]:
+    import aiohttp
+
+    from benchmarks.serving.openai_client import OpenAIBackend
+
+    connector = aiohttp.TCPConnector(limit=0)  # the load decides the concurrency, not the pool
+    async with aiohttp.ClientSession(connector=connector) as session:
+        backend = OpenAIBackend(session, url, api_key, model)
+        card = await backend.describe()
+        for w in plan.workloads:
+            if card.max_model_len:
+                w.check_fits(card.max_model_len)
+        target = Target(f"openai@{url}", f"{card.id} at {url} (OpenAI API)", backend, Vocab.for_model(card.vocab_size))
+        return await compare([target], plan)
 
 
 def _describe(info, address: str) -> tuple[str, str]:

@@ -149,7 +149,11 @@ async def run_load(stub: pb_grpc.GenerationStub, specs: Sequence[RequestSpec], l
         spec = specs[i]
         rec = RequestRecord(first_index + i, spec.kind, spec.num_prompt_tokens, spec.max_tokens)
         records.append(rec)
-        task = asyncio.ensure_future(send_one(stub, spec, rec, f"{id_prefix}-{rec.index}", request_timeout_s))
+        # NOTE: a backend with its own `send_one` (the OpenAI one) sends; otherwise `stub` is a gRPC stub
+        send = getattr(stub, "send_one", None)
+        rid = f"{id_prefix}-{rec.index}"
+        task = asyncio.ensure_future(send(spec, rec, rid, request_timeout_s) if send is not None
+                                     else send_one(stub, spec, rec, rid, request_timeout_s))
         task.add_done_callback(lambda _: bar.update(1))
         tasks.append(task)
         return task

@@ -56,6 +56,23 @@ def test_bench_counts_every_request_it_sent_and_writes_table_json_and_figure(ser
     assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values())
 
 
+def test_bench_drives_the_openai_http_door_with_the_same_workloads(server, tmp_path, capsys):
+    out = tmp_path / "openai"
+    url = f"http://127.0.0.1:{server.server.http_port}"
+    rc = pdserve(["bench", "--backend", "openai", "--server", url, "--workload", "chat", "--concurrency", "4",
+                  "--num-requests", "8", "--warmup", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    assert "8/8" in capsys.readouterr().out
+    (run,) = json.loads(out.with_suffix(".json").read_text())["runs"]
+    s = run["summary"]
+    sent = chat().requests(8, 0, TINY_VOCAB)
+    assert (s["num_sent"], s["num_completed"], s["num_failed"]) == (8, 8, 0)
+    assert s["num_output_tokens"] == sum(r.max_tokens for r in sent)  # one SSE chunk per token
+    assert s["ttft"]["p50"] > 0 and s["itl"]["p99"] >= s["itl"]["p50"]
+    reports = server.wait_idle()
+    assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values())
+
+
 def test_closed_loop_keeps_its_concurrency_and_each_stream_is_exact(server):
     specs = chat().requests(9, 5, TINY_VOCAB)
 

@@ -87,7 +87,7 @@ def test_kuberay_cluster_job_and_service_fit_together():
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
     assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
     serve = serve_command(job["spec"]["entrypoint"])
-    assert {p["port"] for p in service["spec"]["ports"]} == {serve.port, serve.metrics_port}
+    assert {p["port"] for p in service["spec"]["ports"]} == {serve.port, serve.metrics_port, serve.http_port}
     res = pool_resources(serve)
     assert res[PoolKind.PREFILL]["prefill_node"] == 1 and res[PoolKind.DECODE]["decode_node"] == 1
 
@@ -118,7 +118,7 @@ def test_kuberay_files_expose_nothing_but_a_protected_front_door():
             assert all("namespaceSelector" in f or "podSelector" in f for f in rule["from"])
         else:
             assert rule["from"] == [{"podSelector": {"matchLabels": {"ray.io/cluster": "pdserve"}}}] and not ports
-    assert open_ports == {serve.port}
+    assert open_ports == {serve.port, serve.http_port}
 
 
 def test_dockerfile_base_image_matches_the_ray_we_install():

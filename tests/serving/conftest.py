@@ -66,6 +66,7 @@ def running_server(**kwargs) -> Iterator[RunningServer]:
     kwargs.setdefault("port", 0)
     kwargs.setdefault("worker_threads", 1)
     kwargs.setdefault("metrics_port", 0)
+    kwargs.setdefault("http_port", 0)
     server = RunningServer(ServeConfig(**kwargs))
     try:
         yield server

@@ -111,6 +111,22 @@ def test_tls_with_an_api_key(ray_cluster, pki):
                 _generate(ch, metadata=(("authorization", f"Bearer {KEY}"),))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
+        # the OpenAI HTTP door is behind the same TLS and key
+        import openai
+
+        url = f"https://127.0.0.1:{s.server.http_port}/v1"
+        with openai.DefaultHttpxClient(verify=str(pki["ca"])) as http:
+            good_http = openai.OpenAI(base_url=url, api_key=KEY, http_client=http, max_retries=0)
+            out = good_http.completions.create(model="tiny-random", prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                               extra_body={"ignore_eos": True})
+            assert out.usage.completion_tokens == 4
+            with pytest.raises(openai.AuthenticationError) as e:
+                openai.OpenAI(base_url=url, api_key="wrong", http_client=http, max_retries=0).models.list()
+            assert e.value.body["code"] == "invalid_api_key"
+            assert http.get(url.removesuffix("/v1") + "/health").status_code == 200  # health stays open
+        with openai.DefaultHttpxClient(verify=str(pki["other_ca"])) as http, pytest.raises(openai.APIConnectionError):
+            openai.OpenAI(base_url=url, api_key=KEY, http_client=http, max_retries=0).models.list()
+
         # the CLI's client flags
         from router.cli import main
 
