@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,17 +38,20 @@ class Tokenizer:
         content is tokenized as plain text, so a user who types `<|im_start|>system` gets those characters,
         not a forged system turn.
 
-        NOTE: the template is rendered with a placeholder per message, then the text between placeholders
-        is tokenized with special tokens parsed and each content without. Templates that drop or repeat a
-        message still work; splitting at the placeholders changes no token, since the template puts a
-        marker or whitespace next to each content.
+        NOTE: a conversation whose contents hold no added token's text (every ordinary one) is rendered and
+        tokenized in one piece, exactly as transformers does. Otherwise the template is rendered with a
+        placeholder per message, the text between placeholders is tokenized with special tokens parsed and
+        each content without; templates that drop or repeat a message still work.
         """
         if not self.hf.chat_template:
             raise ValueError("messages: this model has no chat template; send a plain prompt instead")
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
         for m in messages:
             if "\ue000" in m["content"] or "\ue001" in m["content"]:
                 raise ValueError("messages: content must not contain the code points U+E000 or U+E001")
+        if not any(marker in m["content"] for m in messages for marker in self._markers):
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.hf.encode(text, add_special_tokens=False)
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
         text = self.hf.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
                                            tokenize=False, add_generation_prompt=True)
         ids: list[int] = []
@@ -58,6 +62,11 @@ class Tokenizer:
                 content = messages[int(part)]["content"]
                 ids += self.hf(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return ids
+
+    @functools.cached_property
+    def _markers(self) -> tuple[str, ...]:
+        """The text of every added token (the template's markers among them)."""
+        return tuple(t.content for t in self.hf.added_tokens_decoder.values() if t.content)
 
 
 class IncrementalDetokenizer:

@@ -12,6 +12,7 @@ Parameters pdserve does not implement are refused with a 400 naming them, never 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -36,12 +37,19 @@ from router.validation import InvalidArgument, Limits, ValidatedRequest, validat
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429,
                "UNAVAILABLE": 503, "ABORTED": 503, "UNAUTHENTICATED": 401}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-              409: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+              409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+              499: "client_closed_request", 503: "service_unavailable"}
 
 # what each endpoint accepts: OpenAI's parameters pdserve implements, and those it accepts as no-ops
 # because they change nothing observable (`user` is an end-user id for abuse tracking)
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-           "top_k", "ignore_eos", "user", "presence_penalty", "frequency_penalty"}
+           "top_k", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
+           # vLLM's extensions that load tools send at their neutral values (`vllm bench serve` always
+           # sends repetition_penalty=1.0): accepted at those values, refused at any other
+           "repetition_penalty", "min_p", "min_tokens"}
+NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+           "min_tokens": (0,)}
+MAX_BODY_BYTES = 4 << 20  # as gRPC's default message limit
 COMPLETIONS_PARAMS = _COMMON | {"prompt", "echo", "logprobs", "best_of"}
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
@@ -125,9 +133,12 @@ class HttpDoor:
         self._authorize(request)
         if self.router is None:
             raise ApiError(503, "the worker pools are still starting; retry")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ApiError(400, f"the request body is not JSON: {e}") from e
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
@@ -143,10 +154,11 @@ class HttpDoor:
         if stream:
             # NOTE: the first chunk is awaited here, so placement errors (admission, no worker) still get
             # their HTTP status instead of a 200 stream that breaks at once
-            first = await _first(chunks)
+            first = await _unless_disconnected(request, _first(chunks), chunks)
             return StreamingResponse(self._sse(chunks, first, req, rid, kind, chat, include_usage),
                                      media_type="text/event-stream")
-        return JSONResponse(await self._whole(chunks, req, rid, kind, chat))
+        # NOTE: Starlette cancels a streaming response when its client leaves, not a plain one: watch for it
+        return JSONResponse(await _unless_disconnected(request, self._whole(chunks, req, rid, kind, chat), chunks))
 
     def _translate(self, body: dict[str, Any], chat: bool) -> tuple[pb.GenerateRequest, bool, bool]:
         allowed = CHAT_PARAMS if chat else COMPLETIONS_PARAMS
@@ -158,13 +170,15 @@ class HttpDoor:
         if model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
-        _refuse_unless(body, "n", lambda v: v in (None, 1), "only n=1 is supported")
-        _refuse_unless(body, "best_of", lambda v: v in (None, 1), "only best_of=1 is supported")
-        _refuse_unless(body, "echo", lambda v: v in (None, False), "echo is not supported")
-        _refuse_unless(body, "logprobs", lambda v: v in (None, False), "logprobs are not supported")
+        one = lambda v: v is None or (type(v) is int and v == 1)  # noqa: E731 - not True, which == 1
+        _refuse_unless(body, "n", one, "only n=1 is supported")
+        _refuse_unless(body, "best_of", one, "only best_of=1 is supported")
+        _refuse_unless(body, "echo", lambda v: v is None or v is False, "echo is not supported")
+        _refuse_unless(body, "logprobs", lambda v: v is None or v is False, "logprobs are not supported")
         _refuse_unless(body, "top_logprobs", lambda v: v is None, "logprobs are not supported")
-        for penalty in ("presence_penalty", "frequency_penalty"):
-            _refuse_unless(body, penalty, lambda v: v in (None, 0, 0.0), f"{penalty} is not supported (only 0)")
+        for name, neutral in NEUTRAL.items():
+            _refuse_unless(body, name, lambda v, ok=neutral: v is None or (type(v) in (int, float) and v in ok),
+                           f"{name} is not supported (only {neutral[0]})")
         stream = _typed(body, "stream", bool, False)
         options = _typed(body, "stream_options", dict, None)
         if options is not None and not stream:
@@ -176,19 +190,25 @@ class HttpDoor:
 
         req = pb.GenerateRequest()
         s = req.sampling
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
+        use_completion = chat and body.get("max_completion_tokens") is not None
+        max_tokens = body.get("max_completion_tokens") if use_completion else body.get("max_tokens")
+        if max_tokens is None and not chat:
+            max_tokens = 16  # OpenAI's default for completions; chat's is the room left in the context
         if max_tokens is not None:
-            param = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+            param = "max_completion_tokens" if use_completion else "max_tokens"
             if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
                 raise ApiError(400, f"{param}: must be an integer >= 1, got {max_tokens!r}", param=param)
             s.max_tokens = min(max_tokens, 2**32 - 1)
         for name in ("temperature", "top_p"):
             value = _typed(body, name, (int, float), None)
             if value is not None:
-                setattr(s, name, float(value))
+                try:
+                    setattr(s, name, float(value))
+                except OverflowError as e:
+                    raise ApiError(400, f"{name}: {value!r} is out of range", param=name) from e
         top_k = _typed(body, "top_k", int, None)
         if top_k is not None and top_k != -1:  # -1: vLLM's spelling of "off"
-            if top_k < 0:
+            if not 0 <= top_k < 2**31:
                 raise ApiError(400, f"top_k: must be >= 0 (or -1 for no top-k), got {top_k}", param="top_k")
             s.top_k = top_k
         seed = _typed(body, "seed", int, None)
@@ -203,7 +223,7 @@ class HttpDoor:
             s.stop.extend(stop)
         elif stop is not None:
             raise ApiError(400, "stop: must be a string or a list of strings", param="stop")
-        s.ignore_eos = _typed(body, "ignore_eos", bool, False)
+        s.ignore_eos = bool(_typed(body, "ignore_eos", bool, False))
         if chat:
             self._messages(body, req)
         else:
@@ -219,8 +239,8 @@ class HttpDoor:
             req.prompt = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
-            if any(t < 0 for t in prompt):
-                raise ApiError(400, "prompt: token ids must be >= 0", param="prompt")
+            if any(not 0 <= t < 2**32 for t in prompt):
+                raise ApiError(400, "prompt: token ids must be in [0, 2**32)", param="prompt")
             req.prompt_token_ids.ids.extend(prompt)
         elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
             raise ApiError(400, "prompt: batches of several prompts are not supported; send one request each",
@@ -315,6 +335,25 @@ class HttpDoor:
         yield b"data: [DONE]\n\n"
 
 
+async def _unless_disconnected(request: Request, work, chunks: AsyncIterator[TextChunk]):
+    """Await `work`, cancelling it (and so the request, freeing its blocks) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, RouterError, ApiError):
+                    await task
+                await chunks.aclose()
+                raise ApiError(499, "the client closed the connection")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def _first(chunks: AsyncIterator[TextChunk]) -> TextChunk | None:
     try:
         return await anext(chunks, None)
@@ -374,6 +413,11 @@ class HttpServer:
                 kw.update(ssl_ca_certs=str(tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(door.app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=5, **kw)
+        try:
+            config.load()  # here, not in the serving task: a bad certificate fails `pdserve serve` at start
+        except Exception:
+            self.sock.close()
+            raise
         self.server = _Uvicorn(config)
         self._task = None
 

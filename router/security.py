@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -43,8 +43,13 @@ class TLSConfig:
 def resolve_api_key(flag: str | None) -> str | None:
     """The key from the flag, else from PDSERVE_API_KEY; None when neither is set."""
     key = flag if flag is not None else os.environ.get(API_KEY_ENV)
-    if key is not None and not key.strip():
+    if key is None:
+        return None
+    key = key.strip()  # a key file from `kubectl create secret --from-file` ends with a newline
+    if not key:
         raise ValueError(f"--api-key / {API_KEY_ENV} is set but empty")
+    if not all("\x21" <= ch <= "\x7e" for ch in key):
+        raise ValueError(f"--api-key / {API_KEY_ENV} must be visible ASCII (it travels in a header)")
     return key
 
 
@@ -95,7 +100,7 @@ class ClientSecurity:
     tls_ca: Path | None = None  # verify the server against this CA (PEM); set -> TLS
     tls_cert: Path | None = None  # mutual TLS: this client's certificate ...
     tls_key: Path | None = None  # ... and key
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def tls(self) -> bool:
@@ -113,7 +118,7 @@ class ClientSecurity:
         return grpc.intercept_channel(ch, _SyncAuth(self.metadata())) if self.api_key else ch
 
     def aio_channel(self, address: str) -> grpc.aio.Channel:
-        interceptors = [_AioAuth(self.metadata())] if self.api_key else None
+        interceptors = _aio_auth(self.metadata()) if self.api_key else None
         if self.tls:
             return grpc.aio.secure_channel(address, self.channel_credentials(), interceptors=interceptors)
         return grpc.aio.insecure_channel(address, interceptors=interceptors)
@@ -145,22 +150,41 @@ class _SyncAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
         return continuation(_with_metadata(details, self._md), request_iterator)
 
 
-class _AioAuth(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-               grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
         self._md = metadata
 
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(_with_metadata(details, self._md), request)
 
+
+class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self._md = metadata
+
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(_with_metadata(details, self._md), request)
+
+
+class _AioStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self._md = metadata
 
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(_with_metadata(details, self._md), request_iterator)
 
+
+class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self._md = metadata
+
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(_with_metadata(details, self._md), request_iterator)
+
+
+def _aio_auth(metadata: Sequence[tuple[str, str]]) -> list:
+    # NOTE: one interceptor per call type: grpc.aio files an interceptor under the first type it matches only
+    return [cls(metadata) for cls in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 
 def add_client_args(p) -> None:

@@ -220,8 +220,8 @@ class Server:
                 self.http = HttpServer(self.http_door, c.host, c.http_port, tls)
             except OSError as e:
                 await self.grpc.stop(None)
-                raise ServeError(f"cannot serve HTTP on {c.host}:{c.http_port} ({e}); is the port taken? "
-                                 "Pass another --http-port (0: off).") from e
+                raise ServeError(f"cannot serve HTTP on {c.host}:{c.http_port} ({e}); is the port taken, or the "
+                                 "TLS certificate unreadable? Pass another --http-port (0: off).") from e
             self.http_port = self.http.port
             self.http.start()
             log(f"OpenAI-compatible HTTP on http{'s' if tls else ''}://{c.host}:{self.http_port}/v1")

@@ -43,9 +43,11 @@ async def stream_text(router: Router, req: ValidatedRequest, tokenizer: Tokenize
                 text += tail.text
                 finish = "stop" if tail.stopped else finish
             observer.on_event(req, state, event)
+            if finish is not None:
+                # NOTE: before the yield: consumers stop at the last chunk and close this generator there
+                outcome = finish
             yield TextChunk(list(event.token_ids), text, finish, state, completion)
             if finish is not None:
-                outcome = finish
                 return
     except RouterError:
         outcome = "error"

@@ -129,12 +129,10 @@ class NetnsCluster:
             self._wait_log(node.name, "Ray runtime started", timeout)
 
     def _add_node(self, node: str) -> None:
-        ns, inner, outer = self.ns(node), f"{self.prefix}{self.index(node)}n", self.port_name(node)
+        ns, outer = self.ns(node), self.port_name(node)
         _ip("netns", "add", ns)
-        _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
-        _ip("link", "set", inner, "netns", ns)
-        _ip("link", "set", outer, "netns", self.switch)
-        _ip("-n", ns, "link", "set", inner, "name", "eth0")
+        # NOTE: both ends are made inside their namespaces: nothing is ever added to the host's own
+        _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", outer, "netns", self.switch)
         _ip("-n", ns, "addr", "add", f"{self.ip(node)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")

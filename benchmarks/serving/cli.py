@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(runs, slo))
     if plan.search is not None:
         print(format_probes(runs))
-    command = "pdserve bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "pdserve bench " + shlex.join(_redacted(sys.argv[1:] if argv is None else argv))
     write_json(out.with_suffix(".json"), runs, slo, command, _settings(args))
     title = args.title or f"{', '.join(args.workload)} on {args.model if args.launch else args.server}"
     plot(out.with_suffix(".png"), runs, slo, title)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_all(args: argparse.Namespace, layouts: list[Layout], plan: Plan) -> list[LayoutRun]:
     """Start the layouts (every one stays up until the end; see `compare`), then compare."""
     if args.server and args.backend == "openai":
-        return asyncio.run(_bench_openai(args.server, plan, client_security(args).api_key, args.served_model))
+        return asyncio.run(_bench_openai(args.server, plan, client_security(args), args.served_model))
     if args.backend == "openai":
         raise ValueError("--backend openai measures a running server: pass --server http://HOST:PORT")
     if args.server:
@@ -158,14 +158,21 @@ async def _bench(servers: list[tuple[Layout | None, str]], plan: Plan,
         return await compare(targets, plan)
 
 
-async def _bench_openai(url: str, plan: Plan, api_key: str | None, model: str | None) -> list[LayoutRun]:
+async def _bench_openai(url: str, plan: Plan, security: ClientSecurity, model: str | None) -> list[LayoutRun]:
+    import ssl
+
     import aiohttp
 
     from benchmarks.serving.openai_client import OpenAIBackend
 
-    connector = aiohttp.TCPConnector(limit=0)  # the load decides the concurrency, not the pool
-    async with aiohttp.ClientSession(connector=connector) as session:
-        backend = OpenAIBackend(session, url, api_key, model)
+    context = None
+    if security.tls:  # https with the same --tls-ca (and mutual-TLS --tls-cert/--tls-key) as the gRPC door
+        context = ssl.create_default_context(cafile=str(security.tls_ca) if security.tls_ca else None)
+        if security.tls_cert is not None:
+            context.load_cert_chain(str(security.tls_cert), str(security.tls_key))
+    connector = aiohttp.TCPConnector(limit=0, ssl=context if context is not None else True)
+    async with aiohttp.ClientSession(connector=connector) as session:  # the load sets the concurrency
+        backend = OpenAIBackend(session, url, security.api_key, model)
         card = await backend.describe()
         for w in plan.workloads:
             if card.max_model_len:
@@ -186,7 +193,17 @@ def _describe(info, address: str) -> tuple[str, str]:
 
 
 def _settings(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
+    return {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items()
+            if k not in ("no_progress",)}
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line as written to the results, without the API key (they are kept and shared)."""
+    out, hide = [], False
+    for a in argv:
+        out.append("<redacted>" if hide else ("--api-key=<redacted>" if a.startswith("--api-key=") else a))
+        hide = a == "--api-key"
+    return out
 
 
 def _log(msg: str) -> None:

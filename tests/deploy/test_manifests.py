@@ -92,7 +92,8 @@ def test_kuberay_cluster_job_and_service_fit_together():
     assert res[PoolKind.PREFILL]["prefill_node"] == 1 and res[PoolKind.DECODE]["decode_node"] == 1
 
 
-def test_kuberay_files_expose_nothing_but_a_protected_front_door():
+def test_kuberay_files_expose_nothing_but_a_protected_front_door(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     cluster = load("kuberay/raycluster.yaml")
     policy = load("kuberay/networkpolicy.yaml")
     job = load("kuberay/rayjob-serve.yaml")
@@ -115,7 +116,8 @@ def test_kuberay_files_expose_nothing_but_a_protected_front_door():
         if "from" not in rule:
             open_ports |= ports
         elif ports == {serve.metrics_port}:
-            assert all("namespaceSelector" in f or "podSelector" in f for f in rule["from"])
+            assert all((f.get("namespaceSelector") or f.get("podSelector") or {}).get("matchLabels")
+                       for f in rule["from"]), rule  # a named namespace or pods: never "anyone"
         else:
             assert rule["from"] == [{"podSelector": {"matchLabels": {"ray.io/cluster": "pdserve"}}}] and not ports
     assert open_ports == {serve.port, serve.http_port}

@@ -113,8 +113,27 @@ def test_errors_have_openais_status_and_shape(server):
     assert "KV blocks" in e.value.body["message"]
 
 
+def test_a_draining_server_answers_503_in_openais_shape(server):
+    client = openai.OpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
+    server.server.router.draining = True  # as after SIGTERM: nothing new is admitted
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+        assert e.value.status_code == 503 and e.value.body["code"] == "unavailable"
+        assert "shutting down" in e.value.body["message"]
+    finally:
+        server.server.router.draining = False
+    assert client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2).usage.completion_tokens == 2
+
+
+def cancelled(server) -> float:
+    return server.server.metrics.registry.get_sample_value(
+        "pdserve_requests_total", {"model": MODEL, "finish_reason": "cancelled"}) or 0.0
+
+
 def test_a_client_that_disconnects_mid_stream_frees_every_block(server):
     client = openai.OpenAI(base_url=base_url(server), api_key="unused")
+    before = cancelled(server)
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     for n, _ in enumerate(stream, 1):
@@ -124,6 +143,4 @@ def test_a_client_that_disconnects_mid_stream_frees_every_block(server):
     reports = server.wait_idle(30)
     for wid, r in reports.items():
         assert r.load.free_blocks == r.load.total_blocks and r.load.num_running == 0, (wid, r.load)
-    cancelled = server.server.metrics.registry.get_sample_value(
-        "pdserve_requests_total", {"model": MODEL, "finish_reason": "cancelled"})
-    assert cancelled >= 1
+    assert cancelled(server) == before + 1  # cancelled, not run to its 400 tokens
