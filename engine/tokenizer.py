@@ -31,7 +31,16 @@ class Tokenizer:
         return self.hf.encode(text)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _fast(self):
+        """The Rust tokenizer, when transformers' decode would add nothing to it (no space clean-up).
+        NOTE: the router decodes every streamed token; transformers' Python wrapper was most of that cost."""
+        fast = getattr(self.hf, "backend_tokenizer", None)
+        return fast if fast is not None and not getattr(self.hf, "clean_up_tokenization_spaces", False) else None
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation's token ids. Only the template's own markers become special tokens: a message's

@@ -462,6 +462,28 @@ class Router:
         self.registry.lose(worker, why)
 
     async def _next_delta(self, att: Attempt, worker: Worker) -> TokenDelta:
+        """The attempt's next tokens: what one step produced, or, when the stream is behind (a slow client, a
+        busy router), every step already waiting merged into one, so one message carries them all.
+
+        NOTE: merging only takes what is already queued: it never waits, so it adds no latency; it cuts the
+        per-message cost (the gRPC write, the detokenizer call, the metrics hook) exactly when it matters."""
+        item = await self._take(att, worker)
+        if item.finish_reason is None and not att.queue.empty():
+            tokens = list(item.token_ids)
+            while item.finish_reason is None and not att.queue.empty():
+                nxt = att.queue.get_nowait()
+                if isinstance(nxt, WorkerLostNotice) or nxt.finish_reason in ("error", "abort"):
+                    att.queue = _requeue(nxt, att.queue)  # handled on the next call, after these tokens
+                    break
+                tokens += nxt.token_ids
+                item = TokenDelta(item.request_id, tokens, nxt.finish_reason, item.num_cached_tokens)
+        if att.want_paused and att.queue.qsize() <= self.config.max_buffered_steps // 4:
+            self._set_flow(worker, att, paused=False)
+        if item.finish_reason is not None:
+            self._room.set()
+        return item
+
+    async def _take(self, att: Attempt, worker: Worker) -> TokenDelta:
         while True:
             item = await att.queue.get()
             if not isinstance(item, WorkerLostNotice):
@@ -469,13 +491,9 @@ class Router:
             if item.worker_id == worker.worker_id:
                 raise AttemptFailed(Cause.DECODE_LOST, item.worker_id, item.reason)
             # NOTE: the prefill worker was lost after its answer: the decoding attempt does not need it
-        if att.want_paused and att.queue.qsize() <= self.config.max_buffered_steps // 4:
-            self._set_flow(worker, att, paused=False)
         if item.finish_reason in ("error", "abort"):
             raise AttemptFailed(Cause.WORKER_ERROR, worker.worker_id,
                                 item.error or f"the worker ended the sequence ({item.finish_reason})")
-        if item.finish_reason is not None:
-            self._room.set()
         return item
 
     def _set_flow(self, worker: Worker, att: Attempt, paused: bool) -> None:
@@ -521,6 +539,15 @@ class Router:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _requeue(first, rest: asyncio.Queue) -> asyncio.Queue:
+    """A queue holding `first`, then what `rest` holds (asyncio.Queue has no push-front)."""
+    q: asyncio.Queue = asyncio.Queue()
+    q.put_nowait(first)
+    while not rest.empty():
+        q.put_nowait(rest.get_nowait())
+    return q
 
 
 def attempt_keys(router: Router) -> Callable[[], list[str]]:

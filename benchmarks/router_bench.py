@@ -1,0 +1,319 @@
+"""What the router itself costs per token: the real router and gRPC door in front of fake workers that make
+tokens as fast as asked, driven by real gRPC clients in other processes.
+
+    python -m benchmarks.router_bench [--concurrency 1 32 256] [--tokens 200] [--step-ms 10] [--json]
+
+The router process runs `Router` + `GenerationServicer` (validation, detokenizing with SmolLM2's real
+tokenizer, stop strings, metrics) on its event loop, over in-process fake prefill and decode workers: the
+prefill worker answers at once, the decode worker emits one token for every running sequence each
+`--step-ms`. Client processes (2, so the client side is not the bottleneck) keep `concurrency` greedy
+streams of `--tokens` tokens open. Reported per concurrency: relayed tokens/s, the router process's CPU
+milliseconds per relayed token (user + system, all its threads, from /proc), and the client-side TTFT and
+ITL percentiles (ITL minus the step time is what the router adds). Every process shares this machine's
+2 cores, so compare the rows of one run; the ms-per-token figure is the one that carries to other machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+
+BLOCK = 16
+
+
+def _fake_worker_classes():
+    from engine.messages import (
+        EngineLoad,
+        Heartbeat,
+        LoadReport,
+        PrefillResult,
+        Reservation,
+        StepOutput,
+        TokenDelta,
+        WorkerInfo,
+    )
+    from router.worker_client import WorkerClient
+
+    class Prefill(WorkerClient):
+        def __init__(self, worker_id: str) -> None:
+            self.worker_id = worker_id
+
+        async def info(self):
+            return WorkerInfo(self.worker_id, "prefill", "node", "127.0.0.1", BLOCK, 1 << 20)
+
+        async def ping(self, timeout):
+            return Heartbeat(self.worker_id, 0.0, False, True)
+
+        async def report(self, timeout):
+            return LoadReport(self.worker_id, EngineLoad(0, 0, 0, 1 << 20, 1 << 20, 0))
+
+        async def prefill(self, key, prompt, params, reservation):
+            now = time.time()
+            return PrefillResult(key, 1000 + len(prompt) % 1000, None, 0, scheduled_at=now, sampled_at=now,
+                                 kv_done_at=now)
+
+        async def reserve(self, *a, **k):
+            raise NotImplementedError
+
+        async def renew(self, keys, timeout):
+            return []
+
+        async def start(self, *a, **k):
+            raise NotImplementedError
+
+        async def submit(self, *a, **k):
+            raise NotImplementedError
+
+        async def abort(self, key, timeout):
+            pass
+
+        async def pause(self, key, timeout):
+            pass
+
+        async def resume(self, key, timeout):
+            pass
+
+        async def steps(self) -> AsyncIterator:
+            raise NotImplementedError
+            yield
+
+        async def shutdown(self, timeout):
+            pass
+
+        def kill(self):
+            pass
+
+    class Decode(Prefill):
+        """One token for every running sequence per step; a deterministic token stream per sequence."""
+
+        def __init__(self, worker_id: str, step_s: float) -> None:
+            super().__init__(worker_id)
+            self.step_s = step_s
+            self.reserved: dict[str, int] = {}
+            self.running: dict[str, list[int]] = {}  # key -> [next token, tokens left]
+            self.outbox: asyncio.Queue = asyncio.Queue()
+            self.task: asyncio.Task | None = None
+
+        async def info(self):
+            return WorkerInfo(self.worker_id, "decode", "node", "127.0.0.1", BLOCK, 1 << 20)
+
+        async def reserve(self, key, prompt, params, src, timeout):
+            self.reserved[key] = params.max_tokens
+            return Reservation(None, [0], 0, 30.0)
+
+        async def start(self, key, first_token, timeout):
+            left = self.reserved.pop(key, None)
+            if left is None:
+                return False
+            self.running[key] = [first_token, left - 1]
+            if self.task is None:
+                self.task = asyncio.ensure_future(self._loop())
+            return True
+
+        async def abort(self, key, timeout):
+            self.reserved.pop(key, None)
+            self.running.pop(key, None)
+
+        async def _loop(self) -> None:
+            load = EngineLoad(0, 0, 0, 1 << 20, 1 << 20, 0)
+            while True:
+                await asyncio.sleep(self.step_s)
+                if not self.running:
+                    continue
+                deltas = []
+                for key, st in list(self.running.items()):
+                    st[0] = 1000 + (st[0] * 7 + 3) % 20000
+                    st[1] -= 1
+                    done = st[1] <= 0
+                    deltas.append(TokenDelta(key, [st[0]], "length" if done else None))
+                    if done:
+                        del self.running[key]
+                self.outbox.put_nowait(StepOutput(1, time.time(), deltas, load))
+
+        async def steps(self) -> AsyncIterator:
+            while True:
+                yield await self.outbox.get()
+
+    return Prefill, Decode
+
+
+def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | None = None) -> None:
+    """The process under test: router + gRPC door + metrics over fake workers."""
+
+    async def main() -> None:
+        import grpc
+
+        from engine.hub import resolve_model
+        from engine.loader import load_config
+        from engine.tokenizer import Tokenizer
+        from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+        from router.metrics import Metrics
+        from router.placement import PoolKind
+        from router.pool import WorkerRegistry, make_worker
+        from router.router import Router, RouterConfig
+        from router.servicer import GenerationServicer
+        from router.validation import Limits
+
+        path = resolve_model("smollm2-135m")
+        model = load_config(path)
+        tokenizer = Tokenizer(path)
+        metrics = Metrics("smollm2-135m")
+        servicer = GenerationServicer("smollm2-135m", tokenizer, Limits(model.max_position_embeddings,
+                                                                         model.vocab_size), BLOCK, metrics)
+        registry = WorkerRegistry()
+        router = Router(RouterConfig(block_size=BLOCK, max_queue=100_000), registry, metrics)
+        Prefill, Decode = _fake_worker_classes()
+        for client, kind in ((Prefill("prefill-0"), PoolKind.PREFILL), (Decode("decode-0", step_s), PoolKind.DECODE)):
+            registry.add(make_worker(await client.info(), client, kind))
+        servicer.router = router
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        port_q.put(port)
+        while not stop_ev.is_set():
+            await asyncio.sleep(0.1)
+        await server.stop(None)
+
+    if profile is None:
+        asyncio.run(main())
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        asyncio.run(main())
+    finally:
+        prof.disable()
+        prof.dump_stats(profile)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _client_process(port: int, streams: int, tokens: int, duration_s: float, out_q: mp.Queue) -> None:
+    """Keep `streams` streams open for `duration_s`; report every request's TTFT and gaps."""
+
+    async def main() -> None:
+        import grpc
+
+        from protos.pdserve.v1 import generation_pb2 as pb
+        from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+        ttfts, itls, done = [], [], 0
+        deadline = time.monotonic() + duration_s
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.GenerationStub(ch)
+
+            async def one_client(c: int) -> None:
+                nonlocal done
+                n = 0
+                while time.monotonic() < deadline:
+                    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[100 + c, 200 + n % 50, 300]),
+                                             sampling=pb.SamplingParams(max_tokens=tokens, temperature=0,
+                                                                        ignore_eos=True))
+                    n += 1
+                    t0 = last = time.perf_counter()
+                    first = True
+                    async for r in stub.Generate(req, timeout=120):
+                        now = time.perf_counter()
+                        k = len(r.token_ids)
+                        if k:  # a message of k tokens: one gap, then k - 1 that arrived together
+                            if first:
+                                ttfts.append(now - t0)
+                                itls.extend([0.0] * (k - 1))
+                                first = False
+                            else:
+                                itls.extend([now - last] + [0.0] * (k - 1))
+                            last = now
+                    done += 1
+
+            await asyncio.gather(*(one_client(c) for c in range(streams)))
+        out_q.put((ttfts, itls, done))
+
+    asyncio.run(main())
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run(concurrency: int, tokens: int, step_s: float, duration_s: float, clients: int = 2,
+        profile: str | None = None) -> dict:
+    ctx = mp.get_context("spawn")
+    port_q, out_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
+    router = ctx.Process(target=_router_process, args=(port_q, stop_ev, step_s, profile), daemon=True)
+    router.start()
+    port = port_q.get(timeout=120)
+    per = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
+    procs = [ctx.Process(target=_client_process, args=(port, n, tokens, duration_s, out_q), daemon=True)
+             for n in per if n]
+    cpu0, t0 = _cpu_seconds(router.pid), time.monotonic()
+    for p in procs:
+        p.start()
+    results = [out_q.get(timeout=duration_s + 300) for _ in procs]
+    wall, cpu = time.monotonic() - t0, _cpu_seconds(router.pid) - cpu0
+    for p in procs:
+        p.join(30)
+    stop_ev.set()
+    router.join(30)
+    ttfts = [x for r in results for x in r[0]]
+    itls = [x for r in results for x in r[1]]
+    relayed = len(ttfts) + len(itls)
+    return {"concurrency": concurrency, "tokens_per_request": tokens, "step_ms": step_s * 1e3,
+            "requests": sum(r[2] for r in results), "relayed_tokens": relayed, "wall_s": wall,
+            "tokens_per_s": relayed / wall, "router_cpu_s": cpu,
+            "router_cpu_ms_per_token": cpu / relayed * 1e3 if relayed else float("nan"),
+            "router_cores": cpu / wall,
+            "ttft_ms": {q: _pct(ttfts, p) * 1e3 for q, p in (("p50", 0.5), ("p99", 0.99))},
+            "itl_ms": {q: _pct(itls, p) * 1e3 for q, p in (("p50", 0.5), ("p99", 0.99))},
+            "itl_added_ms_p50": (statistics.median(itls) - step_s) * 1e3 if itls else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--tokens", type=int, default=200, help="tokens per request")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="the fake decode worker's step time")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds of load per concurrency")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="cProfile the router process (the last concurrency's run) into FILE (pstats)")
+    args = ap.parse_args(argv)
+    rows = []
+    for c in args.concurrency:
+        print(f"concurrency {c}: {args.duration:.0f}s of load...", file=sys.stderr, flush=True)
+        last = c == args.concurrency[-1]
+        rows.append(run(c, args.tokens, args.step_ms / 1e3, args.duration, profile=args.profile if last else None))
+        r = rows[-1]
+        print(f"  {r['tokens_per_s']:.0f} tokens/s, router {r['router_cpu_ms_per_token']:.3f} CPU-ms/token "
+              f"({r['router_cores']:.2f} cores), TTFT p50 {r['ttft_ms']['p50']:.1f} ms, ITL p50 "
+              f"{r['itl_ms']['p50']:.1f} ms (+{r['itl_added_ms_p50']:.1f})", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print("| streams | tokens/s | router CPU ms/token | router cores | TTFT p50/p99 ms | ITL p50/p99 ms |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['concurrency']} | {r['tokens_per_s']:.0f} | {r['router_cpu_ms_per_token']:.3f} | "
+                  f"{r['router_cores']:.2f} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} | "
+                  f"{r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
