@@ -370,7 +370,8 @@ def _usage(req: ValidatedRequest, last: TextChunk) -> dict:
 
 def _api_error(e: RouterError) -> ApiError:
     status = HTTP_STATUS.get(e.code, 500)
-    return ApiError(status, str(e), code=e.code.lower())
+    param = str(e).split(":", 1)[0] if e.code == "INVALID_ARGUMENT" and ":" in str(e) else None
+    return ApiError(status, str(e), param=param, code=e.code.lower())
 
 
 def _typed(body: dict, name: str, types, default):

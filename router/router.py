@@ -254,6 +254,8 @@ class Router:
     async def _colocated(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
         choice = await self._choose_prefill(state, att.prompt)
         worker = self.workers[choice.worker_id]
+        # the prompt and its first token must fit one worker's cache (else every attempt would fail alike)
+        self._check_fits(cdiv(len(att.prompt) + 1, self.block_size), [worker], "colocated")
         att.prefill = att.decode = worker
         state.to(Phase.PREFILLING)
         first_attempt = not state.generated
@@ -383,10 +385,7 @@ class Router:
             if not decoders:
                 await self._wait_room(deadline, "no live decode worker: the decode pool is being replaced")
                 continue
-            largest = max(w.load.total_blocks for w in decoders)
-            if need > largest:
-                raise RouterError("RESOURCE_EXHAUSTED", f"prompt needs {need} KV blocks but the largest decode "
-                                  f"worker holds {largest}; shorten the prompt or give decode workers more memory")
+            self._check_fits(need, decoders, "decode")
             tried: set[str] = set()
             while True:
                 if not prefill.alive:  # lost while this request waited for room: place it again
@@ -426,6 +425,14 @@ class Router:
             finally:
                 self.num_queued -= 1
                 prefill.inflight_prefill_tokens += att.prefill_tokens
+
+    @staticmethod
+    def _check_fits(need: int, workers: list[Worker], pool: str) -> None:
+        """A prompt larger than any worker's whole KV cache can never be served: refuse it, not retry it."""
+        largest = max(w.load.total_blocks for w in workers)
+        if need > largest:
+            raise RouterError("INVALID_ARGUMENT", f"prompt: needs {need} KV blocks but the largest {pool} worker "
+                              f"holds {largest}; shorten the prompt or give the workers more KV memory")
 
     async def _wait_room(self, deadline: float, why: str) -> None:
         """Wait until something may have changed (blocks freed, a worker joined); fail past `deadline`."""

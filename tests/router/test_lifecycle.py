@@ -398,3 +398,15 @@ def test_a_finished_request_sends_no_abort():
         assert aborted == []
 
     run(go())
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 0), (0, 0, 1)], ids=["disaggregated", "colocated"])
+def test_a_prompt_no_worker_can_ever_hold_is_refused_not_retried(layout):
+    async def go():
+        c = FakeCluster(*layout)
+        with pytest.raises(RouterError) as e:
+            await c.collect(c.request("huge", list(range(300)), 4))  # 75 blocks of 4; a worker holds 64
+        assert e.value.code == "INVALID_ARGUMENT" and str(e.value).startswith("prompt: needs")
+        assert all(w.keys == [] for w in c.workers.values())  # nothing was tried anywhere
+
+    run(go())

@@ -21,7 +21,7 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def server(ray_cluster):
-    # max_queue=0 and 128 blocks: a 3,000-token prompt can never be placed (the 429 case)
+    # max_queue=0 and 128 blocks: a 3,000-token prompt can never be placed (a 400: retrying cannot help)
     with running_server(model=MODEL, num_blocks=128, max_queue=0) as s:
         yield s
 
@@ -107,10 +107,10 @@ def test_errors_have_openais_status_and_shape(server):
             "name": "f", "parameters": {"type": "object"}}}])
     assert e.value.body["param"] == "tools" and "tools" in e.value.body["message"]
     rng = random.Random(0)
-    with pytest.raises(openai.RateLimitError) as e:  # more KV blocks than any decode worker has
+    with pytest.raises(openai.BadRequestError) as e:  # more KV blocks than any decode worker has: never fits
         client.completions.create(model=MODEL, prompt=[rng.randrange(100, 40000) for _ in range(3000)],
                                   max_tokens=4)
-    assert "KV blocks" in e.value.body["message"]
+    assert "KV blocks" in e.value.body["message"] and e.value.body["param"] == "prompt"
 
 
 def test_a_draining_server_answers_503_in_openais_shape(server):
