@@ -97,6 +97,7 @@ class Attempt:
     # set when a worker this attempt waits on is lost (wakes a pending prefill call)
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_notice: WorkerLostNotice | None = None
+    held: TokenDelta | WorkerLostNotice | None = None  # taken off `queue` while merging, handled next
     # backpressure: whether the decode worker should hold it out of the batch (the client reads too slowly),
     # and what it was last told; one `flow_task` at a time brings the two together
     want_paused: bool = False
@@ -111,6 +112,7 @@ class Attempt:
             self.lost_notice = None  # the loss was the forgotten decode worker's
             self.lost.clear()
             self.queue = asyncio.Queue()
+            self.held = None
 
     def worker_lost(self, notice: WorkerLostNotice) -> None:
         if self.lost_notice is None:

@@ -30,12 +30,12 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.block_hash import hash_blocks
 from engine.config import cdiv
-from engine.messages import LoadReport, TokenDelta
+from engine.messages import LoadReport, Reservation, TokenDelta
 from router.lifecycle import Attempt, AttemptFailed, Cause, Phase, RequestState, Timing, WorkerLostNotice
 from router.observer import RequestObserver
 from router.placement import PoolKind, PrefillChoice, RoundRobinPrefill, choose_decode, choose_prefill
@@ -252,7 +252,7 @@ class Router:
         self._room.set()
 
     async def _colocated(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
-        choice = await self._choose_prefill(state, att.prompt)
+        choice = await self._choose_prefill(att)
         worker = self.workers[choice.worker_id]
         # the prompt and its first token must fit one worker's cache (else every attempt would fail alike)
         self._check_fits(cdiv(len(att.prompt) + 1, self.block_size), [worker], "colocated")
@@ -278,13 +278,13 @@ class Router:
                 return
 
     async def _disaggregated(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
-        choice = await self._choose_prefill(state, att.prompt)
+        choice = await self._choose_prefill(att)
         prefill = att.prefill = self.workers[choice.worker_id]
         # NOTE: counted from the moment of choice, so a burst of requests placed together spreads out
         att.prefill_tokens = len(att.prompt) - choice.cached_blocks * self.block_size
         prefill.inflight_prefill_tokens += att.prefill_tokens
         try:
-            att.decode, att.reservation = await self._reserve(state, att, prefill)
+            att.decode, att.reservation = await self._reserve(att, prefill)
             state.to(Phase.PREFILLING)
             result = await self._prefill(att, prefill)
         finally:
@@ -355,11 +355,12 @@ class Router:
 
     # -- placement and admission ------------------------------------------------------------------------
 
-    async def _choose_prefill(self, state: RequestState, ids: list[int]) -> PrefillChoice:
-        """A live prefill (or colocated) worker for the prompt, waiting for one while none is alive."""
+    async def _choose_prefill(self, att: Attempt) -> PrefillChoice:
+        """A live prefill (or colocated) worker for the attempt's prompt, waiting for one while none is alive."""
         kind = PoolKind.PREFILL if self.disaggregated else PoolKind.COLOCATED
+        ids = att.prompt
         hashes = hash_blocks(ids, self.block_size)
-        deadline = state.attempt.created + self.config.admission_timeout_s
+        deadline = att.created + self.config.admission_timeout_s
         while True:
             live = self.registry.live(kind)
             if live:
@@ -373,17 +374,18 @@ class Router:
                 choice = self.choose_prefill(hashes, open_, self.index, self.block_size, len(ids))
                 assert choice is not None
                 return choice
-            await self._wait_room(deadline, f"no live {kind.value} worker: the {kind.value} pool is being "
-                                  "replaced; check its workers' logs")
+            await self._wait_room(deadline, "UNAVAILABLE", f"no live {kind.value} worker: the {kind.value} pool "
+                                  "is being replaced; check its workers' logs")
 
-    async def _reserve(self, state: RequestState, att: Attempt, prefill: Worker) -> tuple[Worker, object]:
+    async def _reserve(self, att: Attempt, prefill: Worker) -> tuple[Worker, Reservation]:
         """A decode worker with room for the prompt's blocks, waiting in the admission queue if none has."""
         need = cdiv(len(att.prompt), self.block_size)
         deadline = att.created + self.config.admission_timeout_s
         while True:
             decoders = self.registry.live(PoolKind.DECODE)
             if not decoders:
-                await self._wait_room(deadline, "no live decode worker: the decode pool is being replaced")
+                await self._wait_room(deadline, "UNAVAILABLE", "no live decode worker: the decode pool is being "
+                                      "replaced")
                 continue
             self._check_fits(need, decoders, "decode")
             tried: set[str] = set()
@@ -420,7 +422,8 @@ class Router:
             # NOTE: a prompt waiting for decode room is not in the prefill worker's queue: don't count it there
             prefill.inflight_prefill_tokens -= att.prefill_tokens
             try:
-                await self._wait_room(deadline, f"no decode worker had room for {need} KV blocks within "
+                await self._wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV "
+                                      f"blocks within "
                                       f"{self.config.admission_timeout_s:.0f}s; retry later")
             finally:
                 self.num_queued -= 1
@@ -434,11 +437,11 @@ class Router:
             raise RouterError("INVALID_ARGUMENT", f"prompt: needs {need} KV blocks but the largest {pool} worker "
                               f"holds {largest}; shorten the prompt or give the workers more KV memory")
 
-    async def _wait_room(self, deadline: float, why: str) -> None:
-        """Wait until something may have changed (blocks freed, a worker joined); fail past `deadline`."""
+    async def _wait_room(self, deadline: float, code: str, why: str) -> None:
+        """Wait until something may have changed (blocks freed, a worker joined); past `deadline`, fail with
+        `code` (a gRPC status name) and `why`."""
         remaining = deadline - time.time()
         if remaining <= 0:
-            code = "UNAVAILABLE" if "no live" in why else "RESOURCE_EXHAUSTED"
             raise RouterError(code, why)
         self._room.clear()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -475,12 +478,12 @@ class Router:
         NOTE: merging only takes what is already queued: it never waits, so it adds no latency; it cuts the
         per-message cost (the gRPC write, the detokenizer call, the metrics hook) exactly when it matters."""
         item = await self._take(att, worker)
-        if item.finish_reason is None and not att.queue.empty():
+        if item.finish_reason is None and att.held is None and not att.queue.empty():
             tokens = list(item.token_ids)
             while item.finish_reason is None and not att.queue.empty():
                 nxt = att.queue.get_nowait()
                 if isinstance(nxt, WorkerLostNotice) or nxt.finish_reason in ("error", "abort"):
-                    att.queue = _requeue(nxt, att.queue)  # handled on the next call, after these tokens
+                    att.held = nxt  # handled on the next call, after these tokens
                     break
                 tokens += nxt.token_ids
                 item = TokenDelta(item.request_id, tokens, nxt.finish_reason, item.num_cached_tokens)
@@ -492,7 +495,7 @@ class Router:
 
     async def _take(self, att: Attempt, worker: Worker) -> TokenDelta:
         while True:
-            item = await att.queue.get()
+            item, att.held = (att.held, None) if att.held is not None else (await att.queue.get(), None)
             if not isinstance(item, WorkerLostNotice):
                 break
             if item.worker_id == worker.worker_id:
@@ -547,16 +550,3 @@ class Router:
         task.add_done_callback(self._tasks.discard)
         return task
 
-
-def _requeue(first, rest: asyncio.Queue) -> asyncio.Queue:
-    """A queue holding `first`, then what `rest` holds (asyncio.Queue has no push-front)."""
-    q: asyncio.Queue = asyncio.Queue()
-    q.put_nowait(first)
-    while not rest.empty():
-        q.put_nowait(rest.get_nowait())
-    return q
-
-
-def attempt_keys(router: Router) -> Callable[[], list[str]]:
-    """The attempt keys the router currently routes messages to (for tests and `describe`)."""
-    return lambda: list(router._attempts)

@@ -410,3 +410,24 @@ def test_a_prompt_no_worker_can_ever_hold_is_refused_not_retried(layout):
         assert all(w.keys == [] for w in c.workers.values())  # nothing was tried anywhere
 
     run(go())
+
+
+def test_a_loss_queued_behind_tokens_is_handled_after_them():
+    """Steps waiting for a slow reader are merged into one event; a worker loss queued behind them still
+    ends the attempt after those tokens, and the migrated stream is the reference."""
+    async def go():
+        c = FakeCluster(1, 2)
+        gen = c.router.generate(c.request("a", PROMPT, 60))
+        event, state = await gen.__anext__()
+        tokens = list(event.token_ids)
+        await asyncio.sleep(0.05)  # the reader stalls: several steps queue up
+        queued = state.attempt.queue.qsize()
+        c.kill(state.decode_worker)
+        event, _ = await gen.__anext__()  # the queued steps, merged into one event
+        tokens += event.token_ids
+        assert queued >= 2 and len(event.token_ids) == queued
+        async for event, _ in gen:
+            tokens += event.token_ids
+        assert tokens == reference(PROMPT, 60) and state.num_attempts == 2
+
+    run(go())
