@@ -108,20 +108,21 @@ class LinkRequest:
                             self.ts)).encode()
 
     @classmethod
-    def signed(cls, sender: str, link_id: str, device: str, receiver: str, secret: str | None) -> LinkRequest:
-        """A request for the receiver whose accept queue is `receiver`, MACed when there is a secret."""
-        req = cls(sender, link_id, device, str(int(time.time() * 1000)))
-        if secret is None:
-            return req
-        mac = hmac.new(secret.encode(), req._message(receiver), hashlib.sha256).hexdigest()
-        return dataclasses.replace(req, mac=mac)
+    def signed(cls, sender: str, link_id: str, device: str, receiver: str, secret: str | None,
+               now: float | None = None) -> LinkRequest:
+        """A request for the receiver whose accept queue is `receiver`, made at `now` (default: this
+        instant), MACed when there is a secret."""
+        req = cls(sender, link_id, device, str(int((time.time() if now is None else now) * 1000)))
+        return req if secret is None else dataclasses.replace(req, mac=req._mac(receiver, secret))
+
+    def _mac(self, receiver: str, secret: str) -> str:
+        return hmac.new(secret.encode(), self._message(receiver), hashlib.sha256).hexdigest()
 
     def verify(self, receiver: str, secret: str | None, now: float | None = None) -> None:
         """Raise ValueError unless this request was made for `receiver` by a holder of `secret`, recently."""
         if secret is None:
             return
-        want = hmac.new(secret.encode(), self._message(receiver), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(want, self.mac):
+        if not hmac.compare_digest(self._mac(receiver, secret), self.mac):
             raise ValueError(f"link request from {_clip(self.sender)} has a wrong MAC (not signed with this "
                              "deployment's secret)")
         age = (now if now is not None else time.time()) - int(self.ts) / 1000

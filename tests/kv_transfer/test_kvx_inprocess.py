@@ -86,6 +86,46 @@ def landed(p: Pair, src: list[int], dst: list[int]) -> bool:
     return torch.equal(p.tx.cache.tensor[:, :, src].view(torch.uint8), p.rx.cache.tensor[:, :, dst].view(torch.uint8))
 
 
+def accept_queue(p: Pair, port: int):
+    """(config, a store client, the receiver's accept-queue key): for tests that write to the queue."""
+    from kv_transfer.rendezvous import accept_queue_key, connect_store
+
+    cfg = make_config("torch", port)
+    address = p.receiver.address
+    return (cfg, connect_store(HOST, port, cfg.connect_timeout_s),
+            accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation))
+
+
+def push_and_drain(store, queue: str, entries, caplog) -> list[str]:
+    """Push `entries` onto the accept queue, wait until the listener has popped them all, and return the
+    messages of the entries it dropped."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger=torch_transport.__name__):
+        caplog.clear()
+        for entry in entries:
+            store.queue_push(queue, entry)
+        deadline = time.monotonic() + 10
+        while store.queue_len(queue) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.queue_len(queue) == 0, "the listener stopped draining its queue"
+        time.sleep(0.1)  # the last pop is logged just after the queue empties
+    return [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+
+
+def transfer_lands(p: Pair, sender: KVSender, rid: str, n: int, timeout_s: float) -> None:
+    """A full transfer of `n` blocks from `sender` to the pair's receiver, checked bit for bit."""
+    src, dst = p.tx.allocator.allocate(n), p.rx.allocator.allocate(n)
+    assert src is not None and dst is not None
+    p.receiver.expect(rid, sender.endpoint_id, dst, time.monotonic() + timeout_s)
+    sender.begin(rid, p.receiver.address, src, dst, time.monotonic() + timeout_s)
+    for layer in range(SPEC.num_layers):
+        sender.send_layer(rid, layer)
+    rx, tx = p.receiver.wait(rid, timeout_s), sender.wait(rid, timeout_s)
+    assert rx.ok and tx.ok, (rx.error, tx.error)
+    assert landed(p, src, dst)
+
+
 def test_interleaved_transfers_on_one_link_all_land(pair):
     rng = random.Random(0)
     jobs = {f"r{i}": start(pair, f"r{i}", rng.randint(1, 6)) for i in range(10)}
@@ -311,15 +351,12 @@ def test_a_sender_of_another_wire_protocol_is_told_why_and_nothing_crashes(rende
     """A sender of another protocol version (a rolling upgrade) opens a link and pings: the receiver
     answers BYE naming the version mismatch, and keeps serving senders of its own version."""
     from kv_transfer.pair_group import RECEIVER_RANK, SENDER_RANK, TAG_MSG, TAG_REPLY, PairGroup
-    from kv_transfer.rendezvous import LinkRequest, accept_queue_key, connect_store, link_prefix
+    from kv_transfer.rendezvous import LinkRequest, link_prefix
     from kv_transfer.wire import HEADER_LEN, PROTOCOL_VERSION, MsgKind
 
     p = make_pair("torch", rendezvous.port)
     try:
-        cfg = make_config("torch", rendezvous.port)
-        store = connect_store(HOST, rendezvous.port, cfg.connect_timeout_s)
-        address = p.receiver.address
-        queue = accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation)
+        cfg, store, queue = accept_queue(p, rendezvous.port)
         request = LinkRequest.signed("time-traveller", "old-link-1", "cpu", queue, cfg.secret)
         store.queue_push(queue, request.to_json())
         group = PairGroup(store, link_prefix(cfg.namespace, request.link_id), SENDER_RANK, HOST,
@@ -351,9 +388,8 @@ def test_garbage_on_the_accept_queue_is_dropped_and_links_still_form(rendezvous,
     shape, huge blobs, a stray close sentinel. Each is logged and dropped; the listener lives on, and the
     next real link request (a fresh sender's, after the junk) still forms a link that lands bit-exact."""
     import json
-    import logging
 
-    from kv_transfer.rendezvous import MAX_LINK_REQUEST_BYTES, accept_queue_key, connect_store
+    from kv_transfer.rendezvous import MAX_LINK_REQUEST_BYTES
 
     good = {"sender": "s", "link_id": "abc", "device": "cpu"}
     garbage: list[bytes | str] = [
@@ -370,41 +406,18 @@ def test_garbage_on_the_accept_queue_is_dropped_and_links_still_form(rendezvous,
     p = make_pair("torch", rendezvous.port)
     extra = None
     try:
-        cfg = make_config("torch", rendezvous.port)
-        store = connect_store(HOST, rendezvous.port, cfg.connect_timeout_s)
-        address = p.receiver.address
-        queue = accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation)
+        cfg, store, queue = accept_queue(p, rendezvous.port)
 
         def push_garbage_and_drain() -> None:
-            with caplog.at_level(logging.WARNING, logger=torch_transport.__name__):
-                caplog.clear()
-                for entry in garbage:
-                    store.queue_push(queue, entry)
-                deadline = time.monotonic() + 10
-                while store.queue_len(queue) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert store.queue_len(queue) == 0, "the listener stopped draining its queue"
-                time.sleep(0.1)  # the last pop is logged just after the queue empties
-            dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
+            dropped = push_and_drain(store, queue, garbage, caplog)
             assert len(dropped) == len(garbage), [r.getMessage() for r in caplog.records]
-            assert all(len(r.getMessage()) < 500 for r in dropped), "a junk entry flooded the log"
-
-        def transfer(sender: KVSender, rid: str, n: int) -> None:
-            src, dst = p.tx.allocator.allocate(n), p.rx.allocator.allocate(n)
-            assert src is not None and dst is not None
-            p.receiver.expect(rid, sender.endpoint_id, dst, time.monotonic() + 10)
-            sender.begin(rid, p.receiver.address, src, dst, time.monotonic() + 10)
-            for layer in range(SPEC.num_layers):
-                sender.send_layer(rid, layer)
-            rx, tx = p.receiver.wait(rid, 10), sender.wait(rid, 10)
-            assert rx.ok and tx.ok, (rx.error, tx.error)
-            assert landed(p, src, dst)
+            assert all(len(m) < 500 for m in dropped), "a junk entry flooded the log"
 
         push_garbage_and_drain()
-        transfer(p.sender, "after-garbage", 5)  # the sender's first link: formed after the junk
+        transfer_lands(p, p.sender, "after-garbage", 5, 10)  # the sender's first link: formed after the junk
         push_garbage_and_drain()
         extra = create_sender(cfg, "prefill-late", p.tx.cache, HOST)
-        transfer(extra, "fresh-sender", 3)  # a new link from a new sender, after more junk
+        transfer_lands(p, extra, "fresh-sender", 3, 10)  # a new link from a new sender, after more junk
     finally:
         if extra is not None:
             extra.close()
@@ -417,24 +430,16 @@ def test_forged_and_replayed_link_requests_are_refused_and_real_transfers_still_
     for another receiver, unsigned, or a replay of a link id already accepted. Each is dropped and logged;
     the listener lives on and a real transfer right after lands bit for bit."""
     import dataclasses
-    import hashlib
-    import hmac
-    import logging
 
-    from kv_transfer.rendezvous import MAX_REQUEST_AGE_S, LinkRequest, accept_queue_key, connect_store
+    from kv_transfer.rendezvous import MAX_REQUEST_AGE_S, LinkRequest, accept_queue_key
 
     p = make_pair("torch", rendezvous.port)
     try:
-        cfg = make_config("torch", rendezvous.port)
-        store = connect_store(HOST, rendezvous.port, cfg.connect_timeout_s)
-        address = p.receiver.address
-        queue = accept_queue_key(cfg.namespace, address.endpoint_id, address.incarnation)
-        other_queue = accept_queue_key(cfg.namespace, address.endpoint_id, "another-incarnation")
-        # a genuine request, signed as of 3 minutes ago
-        stale = LinkRequest.signed("mallory", "stale-1", "cpu", queue, None)
-        stale = dataclasses.replace(stale, ts=str(int(stale.ts) - int((MAX_REQUEST_AGE_S + 60) * 1000)))
-        stale = dataclasses.replace(stale, mac=hmac.new(cfg.secret.encode(), stale._message(queue),
-                                                        hashlib.sha256).hexdigest())
+        cfg, store, queue = accept_queue(p, rendezvous.port)
+        other_queue = accept_queue_key(cfg.namespace, p.receiver.address.endpoint_id, "another-incarnation")
+        # a genuine request, signed 3 minutes ago
+        stale = LinkRequest.signed("mallory", "stale-1", "cpu", queue, cfg.secret,
+                                   now=time.time() - MAX_REQUEST_AGE_S - 60)
         replayed = LinkRequest.signed("mallory", "replayed-1", "cpu", queue, cfg.secret)
         forged = [
             LinkRequest.signed("mallory", "wrong-secret", "cpu", queue, "not-the-secret"),
@@ -446,26 +451,11 @@ def test_forged_and_replayed_link_requests_are_refused_and_real_transfers_still_
             replayed,  # accepted once (its link never forms: nobody is behind it) ...
             replayed,  # ... and refused the second time
         ]
-        with caplog.at_level(logging.WARNING, logger=torch_transport.__name__):
-            for req in forged:
-                store.queue_push(queue, req.to_json())
-            deadline = time.monotonic() + 10
-            while store.queue_len(queue) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.1)
-        dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        dropped = push_and_drain(store, queue, [req.to_json() for req in forged], caplog)
         assert len(dropped) == len(forged) - 1, dropped
         for why in ("wrong MAC", "old", "replay"):
             assert any(why in m for m in dropped), (why, dropped)
-
-        src, dst = p.tx.allocator.allocate(4), p.rx.allocator.allocate(4)
-        p.receiver.expect("real", p.sender.endpoint_id, dst, time.monotonic() + 15)
-        p.sender.begin("real", p.receiver.address, src, dst, time.monotonic() + 15)
-        for layer in range(SPEC.num_layers):
-            p.sender.send_layer("real", layer)
-        rx, tx = p.receiver.wait("real", 15), p.sender.wait("real", 15)
-        assert rx.ok and tx.ok, (rx.error, tx.error)
-        assert landed(p, src, dst)
+        transfer_lands(p, p.sender, "real", 4, 15)
     finally:
         p.sender.close()
         p.receiver.close()
