@@ -65,6 +65,18 @@ def _tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["tc", *args], capture_output=True, text=True, check=check)
 
 
+def wait_for(condition, timeout: float, what: str):
+    """Poll `condition` until it returns something truthy (returned); TimeoutError naming `what` after
+    `timeout` seconds. For the deploy harnesses, which run outside pytest."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
 def check_privileges() -> None:
     """Raise ClusterUnavailable naming the reason when namespaces cannot be made here."""
     if os.geteuid() != 0:

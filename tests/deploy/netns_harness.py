@@ -16,7 +16,7 @@ import grpc
 
 from engine import LLM, SamplingParams
 from router.server import ServeConfig, init_ray
-from tests.cluster import NetnsCluster
+from tests.cluster import NetnsCluster, wait_for
 from tests.serving.conftest import RunningServer, greedy_request, token_ids
 
 WORKER_TIMEOUT = 4.0
@@ -38,16 +38,6 @@ def kv_totals(server: RunningServer) -> dict[str, tuple[float, float]]:
 def metric(server: RunningServer, name: str, **labels) -> float:
     return sum(s.value for fam in server.server.metrics.registry.collect() for s in fam.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def wait_for(cond, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.2)
-    return None
 
 
 def main() -> None:
@@ -115,7 +105,8 @@ def main() -> None:
         first = next(stream)
         got += first.token_ids
         serving = wait_for(lambda: next((w for w, r in server.reports().items()
-                                         if w.startswith("decode") and r.load.num_running), None), 30)
+                                         if w.startswith("decode") and r.load.num_running), None), 30,
+                           "the stream to be decoding")
         cut_node = node_of[workers[serving]]
         out["cut_node"] = cut_node
         lost_at: list[float] = []
@@ -147,9 +138,13 @@ def main() -> None:
         out["declared_lost_after_s"] = lost_at[0] - t_cut if not server.server.registry.get(serving).alive else None
         out["migrations_decode_lost"] = metric(server, "pdserve_request_migrations_total", cause="decode_lost")
         restorer.join()
-        back = wait_for(lambda: len(server.server.registry.live(server.server.registry.get(serving).kind)) == 2,
-                        150)
-        out["pool_back"] = bool(back)
+        try:
+            wait_for(lambda: len(server.server.registry.live(server.server.registry.get(serving).kind)) == 2, 150,
+                     "the decode pool to grow back to 2")
+            back = True
+        except TimeoutError:
+            back = False
+        out["pool_back"] = back
         out["decode_workers_after"] = {w.worker_id: w.info.node_ip for w in server.server.registry.live()
                                        if w.kind.value == "decode"}
         if back:

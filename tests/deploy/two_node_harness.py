@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every node on loopback (see pin_ray_to_loopback)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -25,6 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from protos.pdserve.v1 import generation_pb2 as pb  # noqa: E402
 from router.server import ServeConfig  # noqa: E402
+from tests.cluster import wait_for  # noqa: E402
 from tests.serving.conftest import RunningServer, greedy_request, token_ids  # noqa: E402
 
 PROMPTS = ["two nodes", "KV crosses the network"]
@@ -34,16 +34,6 @@ def node_args(resource: str) -> dict:
     # every node also offers one `decode_slot`, so a pool asking for it puts one worker on each node
     return {"num_cpus": 3, "resources": {resource: 2, "decode_slot": 1}, "node_ip_address": "127.0.0.1",
             "include_dashboard": False}
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
 def pools(server: RunningServer) -> dict[str, str]:
