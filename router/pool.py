@@ -191,9 +191,6 @@ class PoolManager:
     def live(self, kind: PoolKind | None = None) -> list[Worker]:
         return self.registry.live(kind)
 
-    def target(self, kind: PoolKind) -> int:
-        return sum(s.num_workers for s in self.specs if s.kind is kind)
-
     async def start(self) -> None:
         """Start every pool's workers and wait until each has loaded its model."""
         starts = [self._start_one(spec) for spec in self.specs for _ in range(spec.num_workers)]
@@ -218,10 +215,6 @@ class PoolManager:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def declare_dead(self, worker: Worker, why: str) -> None:
-        """A worker that is stuck or unreachable: kill it and lose it (its requests move elsewhere)."""
-        self.registry.lose(worker, why)
 
     async def _replace(self, spec: PoolSpec) -> None:
         try:
@@ -266,15 +259,15 @@ class PoolManager:
                 if e.lost:
                     self.registry.lose(worker, e.reason)
                 elif e.failure is Failure.TIMEOUT:  # the process is stopped, stuck or cut off
-                    self.declare_dead(worker, f"no heartbeat within {cfg.worker_timeout_s:.3g}s")
+                    self.registry.lose(worker, f"no heartbeat within {cfg.worker_timeout_s:.3g}s")
                 else:
                     await asyncio.sleep(cfg.interval_s)
                 continue
             if not hb.loop_alive:
-                self.declare_dead(worker, "its engine loop thread is dead")
+                self.registry.lose(worker, "its engine loop thread is dead")
                 continue
             if hb.busy and hb.loop_age_s > cfg.worker_timeout_s:
-                self.declare_dead(worker, f"its engine loop has not moved for {hb.loop_age_s:.1f}s with work "
+                self.registry.lose(worker, f"its engine loop has not moved for {hb.loop_age_s:.1f}s with work "
                                           f"to do (--worker-timeout {cfg.worker_timeout_s:.3g}s)")
                 continue
             self.on_heartbeat(worker)
