@@ -378,9 +378,9 @@ def _typed(body: dict, name: str, types, default):
     value = body.get(name, default)
     if value is None or value is default:
         return value
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ApiError(400, f"{name}: must be {_type_name(types)}, got {value!r}", param=name)
-    if not isinstance(value, types):
+    types = types if isinstance(types, tuple) else (types,)
+    # NOTE: bool is an int to isinstance; `"max_tokens": true` is still a type error
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise ApiError(400, f"{name}: must be {_type_name(types)}, got {value!r}", param=name)
     return value
 
@@ -423,8 +423,6 @@ class HttpServer:
         self._task = None
 
     def start(self) -> None:
-        import asyncio
-
         self._task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
 
     async def stop(self) -> None:
