@@ -14,23 +14,33 @@ away are freed within one lease.
 With no KV transport (`kind="colocated"`), the same actor is the colocated baseline: `submit` queues a raw
 prompt and the engine prefills and decodes it itself, streaming through the same `stream_steps`.
 
+Draining (`hold`, `send_kv`): a running sequence can leave this worker with its KV. `hold` takes it out of
+the batch (its blocks kept, no further token) and says how many tokens it has produced; the router reserves
+blocks for prompt + all but the last of them on another decode worker, and `send_kv` pushes the sequence's
+KV there over the same transport a prefill worker uses. The destination then decodes on from the last
+token, as if a prefill worker had sent it: nothing is recomputed. The router frees the source with `abort`.
+
 Every request id here is the router's attempt key: unique per attempt, never reused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+import torch
+
+from engine.config import EngineConfig, cdiv
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.messages import (
     Heartbeat,
+    KVMoveResult,
     LoadReport,
     Reservation,
     StepOutput,
@@ -40,10 +50,12 @@ from engine.messages import (
 )
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from kv_transfer import KVTransferConfig, create_receiver
+from kv_transfer import KVTransferConfig, TransferResult, create_receiver, create_sender
 
 # a reservation lapses this long after it was made or last renewed (the router renews it every ~0.5 s)
 DEFAULT_LEASE_S = 30.0
+# a drained sequence's KV must have reached the other decode worker this long after the move began
+KV_MOVE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -56,6 +68,16 @@ class _Pending:
     first_token: int | None = None
 
 
+@dataclass
+class _Move:
+    """A held sequence's KV on its way to another decode worker (keyed by the destination's attempt key)."""
+
+    src: str  # the held sequence's attempt key here
+    future: asyncio.Future
+    opened_at: float
+    num_bytes: int
+
+
 class DecodeWorker:
     def __init__(self, worker_id: str, config: EngineConfig, kv_config: KVTransferConfig | None,
                  lease_s: float = DEFAULT_LEASE_S) -> None:
@@ -66,7 +88,12 @@ class DecodeWorker:
         self.node_id, self.node_ip = node_identity()
         self.receiver = (create_receiver(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
                          if kv_config is not None else None)
+        # a decode worker sends too: a drained sequence's KV to another decode worker
+        self.sender = (create_sender(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
+                       if kv_config is not None else None)
         self.pending: dict[str, _Pending] = {}
+        self.held: set[str] = set()  # sequences held for a move: backpressure's resume leaves them paused
+        self.moves: dict[str, _Move] = {}  # by the destination's attempt key
         self._outbox: asyncio.Queue[StepOutput] | None = None
         self._outbox_loop: asyncio.AbstractEventLoop | None = None
         # NOTE: steps produced before the router subscribes (a request can reach a fresh worker first)
@@ -161,7 +188,73 @@ class DecodeWorker:
         await asyncio.wrap_future(self.loop.call(lambda: [self.engine.scheduler.pause(r) for r in request_ids]))
 
     async def resume(self, request_ids: list[str]) -> None:
-        await asyncio.wrap_future(self.loop.call(lambda: [self.engine.scheduler.resume(r) for r in request_ids]))
+        await asyncio.wrap_future(self.loop.call(
+            lambda: [self.engine.scheduler.resume(r) for r in request_ids if r not in self.held]))
+
+    # -- draining: a running sequence leaves with its KV --------------------------------------------------
+
+    async def hold(self, request_id: str) -> int | None:
+        """Take a decoding sequence out of the batch for good (its blocks kept) and return how many tokens
+        it has produced here; its KV then covers every token but the last. None when it is not decoding
+        (finished, aborted, preempted for recompute, or still waiting for its KV)."""
+
+        def hold() -> int | None:
+            sched = self.engine.scheduler
+            req = sched.requests.get(request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                return None
+            if request_id not in sched.paused and not sched.pause(request_id):
+                return None  # preempted: its KV is gone, only recompute can move it
+            self.held.add(request_id)
+            assert req.num_computed_tokens == req.num_tokens - 1, "a held sequence's KV is one token behind"
+            return len(req.output_token_ids)
+
+        return await asyncio.wrap_future(self.loop.call(hold))
+
+    async def send_kv(self, request_id: str, dst_key: str, reservation: Reservation) -> KVMoveResult:
+        """Push held `request_id`'s KV into `reservation` (made on another decode worker for `dst_key`, with
+        this worker named as the source); answers once the destination acknowledged every layer or the
+        transfer failed. The held sequence stays here until the router aborts it."""
+        assert self.sender is not None, "send_kv() on a colocated worker"
+        future = asyncio.get_running_loop().create_future()
+
+        def begin() -> None:
+            req = self.engine.scheduler.requests.get(request_id)
+            if req is None or request_id not in self.held:
+                raise ValueError(f"request {request_id!r} is not held on {self.worker_id}; call hold() first")
+            bs = self.engine.cache_spec.block_size
+            n, skip = cdiv(req.num_computed_tokens, bs), reservation.num_cached_blocks
+            if len(reservation.block_ids) != n:
+                raise ValueError(f"reservation: {len(reservation.block_ids)} blocks for a sequence whose KV "
+                                 f"fills {n} (of {bs} tokens) on {self.worker_id}")
+            if skip >= n:  # the destination caches all of it already
+                future.set_result(KVMoveResult(True))
+                return
+            self.sender.begin(dst_key, reservation.kv_address, req.block_ids[skip:n], reservation.block_ids[skip:n],
+                              time.monotonic() + KV_MOVE_TIMEOUT_S)
+            for layer in range(self.engine.cache_spec.num_layers):  # all written long ago: ship them all
+                self.sender.send_layer(dst_key, layer)
+            self.moves[dst_key] = _Move(request_id, future, time.time(), (n - skip) * self.engine.cache_spec.bytes_per_block)
+
+        await asyncio.wrap_future(self.loop.call(begin))
+        return await future
+
+    async def kv_digest(self, request_id: str, num_tokens: int) -> str:
+        """SHA-256 of the K and V of the sequence's first `num_tokens` positions, every layer: what a moved
+        sequence's source and destination must agree on bit for bit (`--verify-kv-moves`)."""
+
+        def digest() -> str:
+            sched = self.engine.scheduler
+            req = sched.requests.get(request_id) or sched.paused.get(request_id)
+            if req is None or req.num_computed_tokens < num_tokens:
+                raise ValueError(f"request {request_id!r} holds no KV for {num_tokens} tokens on {self.worker_id}")
+            bs = self.engine.cache_spec.block_size
+            blocks = req.block_ids[:cdiv(num_tokens, bs)]
+            # [num_layers, 2, n_blocks * block_size, kv_heads, head_dim], cut to the sequence's positions
+            kv = self.engine.kv_cache.tensor[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
+            return hashlib.sha256(kv.contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+        return await asyncio.wrap_future(self.loop.call(digest))
 
     # -- colocated --------------------------------------------------------------------------------------
 
@@ -178,6 +271,10 @@ class DecodeWorker:
             # NOTE: the transfer is failed before the blocks are freed, so no late layer lands in them
             if self.pending.pop(request_id, None) is not None and self.receiver is not None:
                 self.receiver.abort(request_id)
+            if request_id in self.held:  # a move still reading its blocks ends before they are freed
+                self.held.discard(request_id)
+                for dst_key in [k for k, m in self.moves.items() if m.src == request_id]:
+                    self.sender.abort(dst_key, "the moved sequence was aborted at its source")
             self.engine.scheduler.abort(request_id)
 
         await asyncio.wrap_future(self.loop.call(abort))
@@ -190,7 +287,8 @@ class DecodeWorker:
                                       "transfer": self.receiver.poll(rid).name if not p.landed else None}
                                 for rid, p in self.pending.items()},
                     "requests": {rid: r.status.name for rid, r in self.engine.scheduler.requests.items()},
-                    "paused": sorted(self.engine.scheduler.paused)}
+                    "paused": sorted(self.engine.scheduler.paused), "held": sorted(self.held),
+                    "moves": sorted(self.moves)}
 
         return await asyncio.wrap_future(self.loop.call(describe))
 
@@ -198,6 +296,8 @@ class DecodeWorker:
         self.loop.shutdown()
         if self.receiver is not None:
             self.receiver.close()
+        if self.sender is not None:
+            self.sender.close()
 
     # -- on the loop thread -----------------------------------------------------------------------------
 
@@ -222,6 +322,8 @@ class DecodeWorker:
     def _poll(self) -> bool:
         if self.receiver is None:
             return False
+        for result in self.sender.pop_finished():
+            self._moved(result)
         failed = []
         now = time.monotonic()
         for rid, pending in list(self.pending.items()):
@@ -244,7 +346,16 @@ class DecodeWorker:
                 failed.append(TokenDelta(result.request_id, [], "error", error=result.error))
         if failed:
             self._emit(failed)
-        return bool(self.pending)
+        return bool(self.pending or self.moves)
+
+    def _moved(self, result: TransferResult) -> None:
+        move = self.moves.pop(result.request_id, None)
+        if move is None:
+            return
+        outcome = KVMoveResult(result.ok, move.num_bytes if result.ok else 0, time.time() - move.opened_at,
+                               None if result.ok else f"KV move failed: {result.error}")
+        move.future.get_loop().call_soon_threadsafe(
+            lambda: move.future.done() or move.future.set_result(outcome))
 
     def _on_step(self, out: StepOutput) -> None:
         with self._outbox_lock:
@@ -260,3 +371,4 @@ class DecodeWorker:
     def _report(self) -> LoadReport:
         events = self.engine.allocator.drain_events()
         return LoadReport(self.worker_id, self.engine.load(), events.stored, events.removed)
+

@@ -106,6 +106,16 @@ class PrefillResult:
         return self.error is None
 
 
+@dataclass(frozen=True)
+class KVMoveResult:
+    """How a running sequence's KV went from one decode worker to another (a drain's move)."""
+
+    ok: bool
+    num_bytes: int = 0  # what crossed the link (blocks the destination already cached are not sent)
+    seconds: float = 0.0  # the transfer opened -> every layer acknowledged
+    error: str | None = None
+
+
 def node_identity() -> tuple[str, str]:
     """(node id, node IP) of the calling process as Ray knows them; ("local", "127.0.0.1") outside Ray.
 

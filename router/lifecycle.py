@@ -1,9 +1,9 @@
 """One request's life in the router: an ordered phase enum, its legal moves, and its attempts.
 
     QUEUED ──► PREFILLING ──► DECODING ──► FINISHED
-      ▲            │              │
-      │            ▼              ▼
-      └──────── MIGRATING ◄───────┘         (any live phase) ──► FAILED | CANCELLED
+      ▲            │             ▲  │
+      │            ▼      KV move│  ▼
+      └──────── MIGRATING ◄──────┴──┘         (any live phase) ──► FAILED | CANCELLED
 
 A request is served by one or more *attempts*. Each attempt has its own key (`<request id>.<n>`), the only
 id any worker ever sees, so nothing of an earlier attempt (late tokens, an abort, a lapsed reservation) can
@@ -11,6 +11,10 @@ touch a later one, and two client requests never share state in a worker even wh
 client `request_id`. An attempt that fails (a worker lost, a KV transfer failed, a reservation lapsed)
 moves the request to MIGRATING; the router then places it again with prompt + the tokens already streamed
 as the new prompt, so the client's stream goes on with no duplicate and no missing token.
+
+A drained decode worker's sequences migrate without a failure: each is held there, its KV shipped to another
+decode worker, and a new attempt goes straight back to DECODING there (`Attempt.moved_from`); if the move
+fails, the request is placed again by recompute, like a failure, without counting against the limit.
 
 NOTE: on the disaggregated path PREFILLING covers the KV transfer too: the prefill worker pushes each
 layer's KV while the next computes, and answers once both are done, so the router sees no edge between them.
@@ -51,7 +55,7 @@ _MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.QUEUED: frozenset({Phase.PREFILLING, Phase.MIGRATING}),
     Phase.PREFILLING: frozenset({Phase.DECODING, Phase.MIGRATING, Phase.FINISHED}),
     Phase.DECODING: frozenset({Phase.MIGRATING, Phase.FINISHED}),
-    Phase.MIGRATING: frozenset({Phase.QUEUED}),
+    Phase.MIGRATING: frozenset({Phase.QUEUED, Phase.DECODING}),  # DECODING: its KV moved
 }
 _ENDS = frozenset({Phase.FAILED, Phase.CANCELLED})  # reachable from every phase that is not final
 
@@ -64,6 +68,14 @@ class Cause(str, enum.Enum):
     KV_TRANSFER = "kv_transfer"  # the KV transfer failed or timed out
     RESERVATION = "reservation"  # the decode reservation lapsed or failed before decoding began
     WORKER_ERROR = "worker_error"  # the worker ended the sequence with an error (a failed engine step)
+    DRAIN = "drain"  # not a failure: its decode worker is being drained (scale down, rolling restart)
+
+
+class Method(str, enum.Enum):
+    """How a request migrates (the `method` label of the migration metric)."""
+
+    KV = "kv"  # the running sequence's KV moves to another decode worker; nothing is recomputed
+    RECOMPUTE = "recompute"  # placed again with prompt + tokens so far: prefilled anew
 
 
 class AttemptFailed(Exception):
@@ -83,6 +95,19 @@ class WorkerLostNotice:
 
 
 @dataclass(eq=False)
+class MoveNotice:
+    """Put on an attempt's queue when its decode worker, being drained, has held its sequence: the attempt
+    ends (to be moved) once the client has every one of the `num_tokens` it produced there."""
+
+    worker_id: str
+    num_tokens: int
+    method: Method
+
+
+Notice = WorkerLostNotice | MoveNotice
+
+
+@dataclass(eq=False)
 class Attempt:
     key: str  # the id every worker knows this attempt by
     prompt: list[int]  # the original prompt + every token already streamed to the client
@@ -92,12 +117,16 @@ class Attempt:
     reservation: Reservation | None = None
     prefill_tokens: int = 0  # uncached prompt tokens the prefill worker will compute (its queue, as counted)
     phase: Phase = Phase.QUEUED
-    # the decode worker's deltas for this attempt, or a WorkerLostNotice
-    queue: asyncio.Queue[TokenDelta | WorkerLostNotice] = field(default_factory=asyncio.Queue)
+    # the decode worker's deltas for this attempt, or a notice
+    queue: asyncio.Queue[TokenDelta | Notice] = field(default_factory=asyncio.Queue)
     # set when a worker this attempt waits on is lost (wakes a pending prefill call)
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_notice: WorkerLostNotice | None = None
-    held: TokenDelta | WorkerLostNotice | None = None  # taken off `queue` while merging, handled next
+    held: TokenDelta | Notice | None = None  # taken off `queue` while merging, handled next
+    num_output: int = 0  # tokens of this attempt the client has (its decode worker counts the same ones)
+    move: MoveNotice | None = None  # drained: end the attempt once num_output reaches move.num_tokens
+    moving: bool = False  # a drain is holding or moving it
+    moved_from: Worker | None = None  # a KV move's source: this attempt began DECODING with its KV
     # backpressure: whether the decode worker should hold it out of the batch (the client reads too slowly),
     # and what it was last told; one `flow_task` at a time brings the two together
     want_paused: bool = False
@@ -150,6 +179,9 @@ class RequestState:
     num_cached_tokens: int = 0
     timing: Timing = field(default_factory=Timing)
     history: list[Phase] = field(default_factory=lambda: [Phase.QUEUED])
+    last_event_at: float = 0.0  # when tokens last reached the client
+    migrating_since: float | None = None  # set while migrating: the pause the client sees starts here
+    last_method: Method = Method.RECOMPUTE  # how it last migrated
 
     @property
     def client_id(self) -> str:
@@ -167,12 +199,15 @@ class RequestState:
         if self.attempt is not None and not phase.is_finished and phase is not Phase.MIGRATING:
             self.attempt.phase = phase
 
-    def new_attempt(self) -> Attempt:
-        """The next attempt: the prompt so far, and what is left of max_tokens."""
+    def new_attempt(self, kv_move: bool = False) -> Attempt:
+        """The next attempt: the prompt so far, and what is left of max_tokens. `kv_move`: the attempt
+        takes over a running sequence with its KV, which covers every token but the last streamed one: that
+        one is the new attempt's first token (already out), not part of its prompt."""
         self.num_attempts += 1
+        assert self.generated or not kv_move, "a KV move needs a streamed token"
+        history = self.generated[:-1] if kv_move else self.generated
         params = self.req.params
-        if self.generated:
-            params = dataclasses.replace(params, max_tokens=params.max_tokens - len(self.generated))
-        self.attempt = Attempt(f"{self.id}.{self.num_attempts}", self.req.prompt_token_ids + self.generated,
-                               params)
+        if history:
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - len(history))
+        self.attempt = Attempt(f"{self.id}.{self.num_attempts}", self.req.prompt_token_ids + history, params)
         return self.attempt

@@ -18,6 +18,8 @@ What is observed, and when (every hook runs on the router's event loop, so nothi
   reached the client); only `queue` on the colocated path, whose engine queues and prefills in one.
 - Per-worker load gauges from every load report; KV-transfer latency, bytes and failures per
   (prefill, decode) pair from the router's transfer notices.
+- Migrations by cause and method, the pause each migrated stream showed, KV bytes moved between decode
+  workers by drains, and each pool's live against target size.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from router.observer import RequestObserver
 from router.placement import PoolKind
 
 if TYPE_CHECKING:
-    from engine.messages import LoadReport
+    from engine.messages import KVMoveResult, LoadReport
     from router.pool import Worker
     from router.router import RequestState, RouterEvent
     from router.validation import ValidatedRequest
@@ -52,7 +54,10 @@ KV_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02
 STAGES = ("queue", "prefill", "kv_transfer", "decode_admit")
 OUTCOMES = ("stop", "length", "cancelled", "error")  # what `on_end` is told; the finish_reason label
 # router.lifecycle.Cause's values (kept as strings: the metrics need nothing else of the lifecycle)
-MIGRATION_CAUSES = ("prefill_lost", "decode_lost", "kv_transfer", "reservation", "worker_error")
+MIGRATION_CAUSES = ("prefill_lost", "decode_lost", "kv_transfer", "reservation", "worker_error", "drain")
+MIGRATION_METHODS = ("kv", "recompute")
+# the largest token gap a migrated stream shows: a KV move's ~0.1 s up to a long prompt's recompute
+PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 @dataclass
@@ -113,9 +118,17 @@ class Metrics(RequestObserver):
                                    "the prefill itself) failed.", ["model", "src", "dst"], registry=r)
 
         self.migrations = Counter(
-            "pdserve_request_migrations_total", "Attempts that failed and were placed again (or ended the "
-            "request past --migration-limit), by cause: prefill_lost, decode_lost, kv_transfer, reservation, "
-            "worker_error.", ["model", "cause"], registry=r)
+            "pdserve_request_migrations_total", "Requests moved to other workers mid-flight (or ended past "
+            "--migration-limit), by cause (drain, or a failure: prefill_lost, decode_lost, kv_transfer, "
+            "reservation, worker_error) and method (kv: the running sequence's KV moved; recompute: placed "
+            "again with the tokens so far).", ["model", "cause", "method"], registry=r)
+        self.migration_pause = Histogram(
+            "pdserve_migration_pause_seconds", "The token gap a migrated stream shows: its last token before "
+            "the migration to its first after.", ["model", "method"], buckets=PAUSE_BUCKETS, registry=r)
+        self.kv_moved_bytes = Counter("pdserve_kv_moved_bytes_total", "KV bytes of running sequences moved "
+                                      "between decode workers (drains).", ["model", "src", "dst"], registry=r)
+        self.kv_move_failures = Counter("pdserve_kv_move_failures_total", "KV moves that failed (the "
+                                        "sequence recomputed instead).", ["model", "src", "dst"], registry=r)
         self.workers_lost = Counter(
             "pdserve_workers_lost_total", "Workers that died or were declared dead (stuck, unreachable), by "
             "pool.", ["model", "pool"], registry=r)
@@ -129,7 +142,10 @@ class Metrics(RequestObserver):
         for outcome in OUTCOMES:  # zero series exist from the start, so rate() and dashboards see them
             self.requests.labels(model, outcome)
         for cause in MIGRATION_CAUSES:
-            self.migrations.labels(model, cause)
+            for method in MIGRATION_METHODS:
+                self.migrations.labels(model, cause, method)
+        for method in MIGRATION_METHODS:
+            self.migration_pause.labels(model, method)
         self._streams: dict[str, _Stream] = {}
         self._prompt: dict[str, tuple[int, int]] = {}  # prefill worker -> (prompt tokens, cached tokens)
         self._workers: dict[str, set[str]] = {PoolKind.PREFILL.value: set(), PoolKind.DECODE.value: set()}
@@ -197,6 +213,11 @@ class Metrics(RequestObserver):
                 for dst in self._workers[PoolKind.DECODE.value]:
                     self.kv_failures.labels(self.model, src, dst)
                     self.kv_bytes.labels(self.model, src, dst)
+            # ... and every pair of decode workers its KV-move counters (a drain moves sequences between them)
+            for src in self._workers[PoolKind.DECODE.value]:
+                for dst in self._workers[PoolKind.DECODE.value] - {src}:
+                    self.kv_moved_bytes.labels(self.model, src, dst)
+                    self.kv_move_failures.labels(self.model, src, dst)
 
     def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
         if not ok:
@@ -210,7 +231,8 @@ class Metrics(RequestObserver):
 
         NOTE: counters and histograms keep its series: they are history, and rate() ends them by itself.
         """
-        self.workers_lost.labels(self.model, worker.kind.value).inc()
+        if not worker.draining:  # a drained worker was retired, not lost
+            self.workers_lost.labels(self.model, worker.kind.value).inc()
         labels = (self.model, worker.kind.value, worker.worker_id, worker.info.node_id)
         for gauge in (self.running, self.waiting, self.kv_usage):
             with contextlib.suppress(KeyError):
@@ -218,8 +240,17 @@ class Metrics(RequestObserver):
         self._workers.get(worker.kind.value, set()).discard(worker.worker_id)
 
 
-    def on_migration(self, state: RequestState, cause: str) -> None:
-        self.migrations.labels(self.model, cause).inc()
+    def on_migration(self, state: RequestState, cause: str, method: str) -> None:
+        self.migrations.labels(self.model, cause, method).inc()
+
+    def on_migration_pause(self, method: str, seconds: float) -> None:
+        self.migration_pause.labels(self.model, method).observe(max(seconds, 0.0))
+
+    def on_kv_move(self, src: str, dst: str, result: KVMoveResult) -> None:
+        if result.ok:
+            self.kv_moved_bytes.labels(self.model, src, dst).inc(result.num_bytes)
+        else:
+            self.kv_move_failures.labels(self.model, src, dst).inc()
 
     def on_pool_size(self, pool: str, live: int, target: int) -> None:
         self.workers_lost.labels(self.model, pool)  # a zero series per pool from the start

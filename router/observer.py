@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.messages import LoadReport
+    from engine.messages import KVMoveResult, LoadReport
     from router.pool import Worker
     from router.router import RequestState, RouterEvent
     from router.validation import ValidatedRequest
@@ -30,8 +30,15 @@ class RequestObserver:
     def on_worker_lost(self, worker: Worker) -> None:
         """A worker is gone (its node left, it crashed, it was declared dead): its load is no longer current."""
 
-    def on_migration(self, state: RequestState, cause: str) -> None:
-        """An attempt of the request failed (`router.lifecycle.Cause`); it is placed again or fails."""
+    def on_migration(self, state: RequestState, cause: str, method: str) -> None:
+        """The request leaves its worker (`router.lifecycle.Cause`: a failure, or a drain) to go on elsewhere
+        by `method` (`router.lifecycle.Method`), or fails past the migration limit."""
+
+    def on_migration_pause(self, method: str, seconds: float) -> None:
+        """A migrated stream's first tokens after the move reached the client, `seconds` after its last before."""
+
+    def on_kv_move(self, src: str, dst: str, result: KVMoveResult) -> None:
+        """A drained sequence's KV move from decode worker `src` to `dst` ended."""
 
     def on_pool_size(self, pool: str, live: int, target: int) -> None:
         """A pool's live workers against its target size (refreshed on every liveness tick)."""

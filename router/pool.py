@@ -71,6 +71,7 @@ class Worker:
     client: WorkerClient
     load: WorkerLoad
     inflight_prefill_tokens: int = 0  # prompt tokens sent to it and not yet answered (router's own count)
+    draining: bool = False  # being taken out of service: placement skips it; it leaves once it holds nothing
 
     @property
     def worker_id(self) -> str:
@@ -122,7 +123,8 @@ class WorkerRegistry:
         False if it was already lost."""
         if not worker.alive:
             return False
-        logger.error("worker %s on node %s lost: %s", worker.worker_id, worker.info.node_ip, why)
+        logger.log(logging.INFO if worker.draining else logging.ERROR, "worker %s on node %s %s: %s",
+                   worker.worker_id, worker.info.node_ip, "retired" if worker.draining else "lost", why)
         try:
             worker.client.kill()
         except Exception as e:  # noqa: BLE001 - already gone is fine; it is lost either way
@@ -134,6 +136,10 @@ class WorkerRegistry:
 
     def live(self, kind: PoolKind | None = None) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and (kind is None or w.kind is kind)]
+
+    def schedulable(self, kind: PoolKind | None = None) -> list[Worker]:
+        """Live workers that take new work: not draining."""
+        return [w for w in self.live(kind) if not w.draining]
 
     def get(self, worker_id: str) -> Worker:
         return self.workers[worker_id]
@@ -181,6 +187,8 @@ class PoolManager:
         self.liveness = liveness or LivenessConfig()
         self.on_report = on_report
         self.on_heartbeat = on_heartbeat
+        # how many schedulable workers each pool should have; `scale` changes it at run time
+        self.targets: dict[PoolKind, int] = {spec.kind: spec.num_workers for spec in specs}
         self.pending: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
         self._next_index: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
         self._backoff: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
@@ -191,6 +199,9 @@ class PoolManager:
     def live(self, kind: PoolKind | None = None) -> list[Worker]:
         return self.registry.live(kind)
 
+    def spec(self, kind: PoolKind) -> PoolSpec:
+        return next(s for s in self.specs if s.kind is kind)
+
     async def start(self) -> None:
         """Start every pool's workers and wait until each has loaded its model."""
         starts = [self._start_one(spec) for spec in self.specs for _ in range(spec.num_workers)]
@@ -200,11 +211,13 @@ class PoolManager:
             logger.info("worker %s ready on node %s (%d/%d)", worker.worker_id, worker.info.node_ip, n, total)
 
     async def maintain(self) -> None:
-        """Forever: top pools back up (with backoff after failed starts)."""
+        """Forever: top pools up to their targets (with backoff after failed starts). A draining worker does
+        not count: a rolling restart's replacement starts as soon as its predecessor begins draining."""
         while not self._stopping:
             now = time.monotonic()
             for spec in self.specs:
-                missing = spec.num_workers - len(self.live(spec.kind)) - self.pending[spec.kind]
+                missing = (self.targets[spec.kind] - len(self.registry.schedulable(spec.kind))
+                           - self.pending[spec.kind])
                 if missing > 0 and now >= self._retry_at[spec.kind]:
                     for _ in range(missing):
                         self._spawn(self._replace(spec))

@@ -19,11 +19,18 @@ is followed by another with the tokens streamed so far appended to the prompt (m
 to `migration_limit` times; a worker lost while the request waits on the *other* phase does not touch it.
 Every way out of `generate` — finished, cancelled by the client, failed — leaves no blocks held: each
 attempt, when it ends, tells the workers that may hold something for it to free it.
+
+Draining a worker (`drain_worker`: scale down, rolling restart, maintenance) stops placement on it, lets what
+it prefills finish, and moves each sequence it decodes to another decode worker *with its KV*: the sequence is
+held there (`hold`), blocks for its prompt + tokens so far are reserved elsewhere, its KV is pushed
+decode → decode over `kv_transfer` (`send_kv`), and a new attempt decodes on from the last streamed token.
+Nothing is recomputed, and the client sees one pause. A move that cannot happen falls back to recompute.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -35,8 +42,19 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import hash_blocks
 from engine.config import cdiv
-from engine.messages import LoadReport, Reservation, TokenDelta
-from router.lifecycle import Attempt, AttemptFailed, Cause, Phase, RequestState, Timing, WorkerLostNotice
+from engine.messages import KVMoveResult, LoadReport, Reservation, TokenDelta
+from router.lifecycle import (
+    Attempt,
+    AttemptFailed,
+    Cause,
+    Method,
+    MoveNotice,
+    Notice,
+    Phase,
+    RequestState,
+    Timing,
+    WorkerLostNotice,
+)
 from router.observer import RequestObserver
 from router.placement import PoolKind, PrefillChoice, RoundRobinPrefill, choose_decode, choose_prefill
 from router.pool import Worker, WorkerRegistry
@@ -46,7 +64,7 @@ from router.worker_client import Failure, WorkerError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Router", "RouterConfig", "RouterError", "RouterEvent", "RequestState", "Timing"]
+__all__ = ["KVMove", "Router", "RouterConfig", "RouterError", "RouterEvent", "RequestState", "Timing"]
 
 
 class RouterError(Exception):
@@ -68,6 +86,19 @@ class RouterEvent:
 
 
 @dataclass(frozen=True)
+class KVMove:
+    """One drain move, as the router saw it (kept for operators and tests: `Router.kv_moves`)."""
+
+    request_id: str
+    src: str
+    dst: str
+    num_tokens: int  # KV positions moved (prompt + generated, all but the last token)
+    result: KVMoveResult
+    src_digest: str | None = None  # set with --verify-kv-moves
+    dst_digest: str | None = None
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     block_size: int = 16
     policy: str = "prefix"  # "prefix" | "round-robin"
@@ -81,6 +112,10 @@ class RouterConfig:
     # backpressure: a stream with this many undelivered decode steps is paused on its decode worker, and
     # resumed once the client has read it down to a quarter of that
     max_buffered_steps: int = 64
+    kv_move_timeout_s: float = 60.0  # a drain's KV move (reserve, push every layer, start) must end in this
+    # compare a SHA-256 of every moved sequence's KV at the source and the destination before decoding on
+    # (a full read of its KV on both: a debugging and proof aid, off in production)
+    verify_kv_moves: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("prefix", "round-robin"):
@@ -114,6 +149,7 @@ class Router:
         self._room = asyncio.Event()  # set whenever blocks may have been freed or a worker joined
         self._tasks: set[asyncio.Task] = set()
         self.observer = observer or RequestObserver()
+        self.kv_moves: collections.deque[KVMove] = collections.deque(maxlen=1024)
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -199,7 +235,12 @@ class Router:
             # stream ends, not whenever the garbage collector finalizes the inner generators
             async with contextlib.aclosing(self._run(state)) as events:
                 async for event in events:
+                    if state.migrating_since is not None and event.token_ids:
+                        self.observer.on_migration_pause(state.last_method.value,
+                                                         event.time - state.migrating_since)
+                        state.migrating_since = None
                     state.generated += event.token_ids
+                    state.last_event_at = event.time
                     if event.finish_reason is not None:
                         state.to(Phase.FINISHED)
                     yield event, state
@@ -216,27 +257,45 @@ class Router:
 
     async def _run(self, state: RequestState) -> AsyncIterator[RouterEvent]:
         """Attempts until one finishes the request, or the migration limit is spent."""
+        moved: Attempt | None = None  # an attempt that took over a drained sequence with its KV
         while True:
-            att = state.new_attempt()
+            att, moved = moved or state.new_attempt(), None
             self._attempts[att.key] = att
             clean = False
             try:
-                path = self._disaggregated if self.disaggregated else self._colocated
-                async with contextlib.aclosing(path(state, att)) as events:
+                if att.moved_from is not None:
+                    path = self._decode(state, att, att.decode)
+                else:
+                    path = (self._disaggregated if self.disaggregated else self._colocated)(state, att)
+                async with contextlib.aclosing(path) as events:
                     async for event in events:
                         # the last event: the workers ended the attempt themselves, nothing to abort
                         clean = event.finish_reason is not None
                         yield event
                 return
             except AttemptFailed as e:
+                state.to(Phase.MIGRATING)
+                state.migrating_since = state.last_event_at or time.time()
+                if e.cause is Cause.DRAIN:
+                    assert att.move is not None
+                    if att.move.method is Method.KV:
+                        moved = await self._move_kv(state, att)
+                    method = Method.KV if moved is not None else Method.RECOMPUTE
+                    state.last_method = method
+                    self.observer.on_migration(state, e.cause.value, method.value)
+                    if moved is not None:
+                        state.to(Phase.DECODING)
+                        continue
+                    state.to(Phase.QUEUED)
+                    continue
                 state.failures.append(e)
-                self.observer.on_migration(state, e.cause.value)
+                state.last_method = Method.RECOMPUTE
+                self.observer.on_migration(state, e.cause.value, Method.RECOMPUTE.value)
                 logger.warning("request %s (%s) attempt %s failed: %s", state.id, state.client_id, att.key, e)
                 if len(state.failures) > self.config.migration_limit:
                     raise RouterError("UNAVAILABLE", f"request {state.client_id!r} failed {len(state.failures)} "
                                       f"times (--migration-limit {self.config.migration_limit}): "
                                       + "; ".join(str(f) for f in state.failures)) from e
-                state.to(Phase.MIGRATING)
                 state.to(Phase.QUEUED)
             finally:
                 self._end_attempt(att, clean)
@@ -273,9 +332,11 @@ class Router:
                     state.timing.queue = time.time() - state.arrival  # the engine queues and prefills in one
                     state.num_cached_tokens = delta.num_cached_tokens
                 state.to(Phase.DECODING)
+            att.num_output += len(delta.token_ids)
             yield RouterEvent(list(delta.token_ids), delta.finish_reason, first=not state.generated)
             if delta.finish_reason is not None:
                 return
+            self._check_move(att)
 
     async def _disaggregated(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
         choice = await self._choose_prefill(att)
@@ -323,16 +384,33 @@ class Router:
             raise AttemptFailed(Cause.RESERVATION, decode.worker_id, "the reservation lapsed before decoding")
         state.to(Phase.DECODING)
         first_out = time.time()
+        att.num_output = 1
         yield RouterEvent([result.first_token], None, first=first)
-        measuring = first
+        self._check_move(att)
+        async with contextlib.aclosing(self._decode(state, att, decode, first_out if first else None)) as events:
+            async for event in events:
+                yield event
+
+    async def _decode(self, state: RequestState, att: Attempt, decode: Worker,
+                      first_out: float | None = None) -> AsyncIterator[RouterEvent]:
+        """The decoding attempt's tokens, from its decode worker's step stream, until it finishes.
+        `first_out`: when the request's first token went out, to time its first decode step."""
         while True:
             delta = await self._next_delta(att, decode)
-            if measuring and delta.token_ids:
+            if first_out is not None and delta.token_ids:
                 state.timing.decode_admit = time.time() - first_out
-                measuring = False
+                first_out = None
+            att.num_output += len(delta.token_ids)
             yield RouterEvent(list(delta.token_ids), delta.finish_reason)
             if delta.finish_reason is not None:
                 return
+            self._check_move(att)
+
+    @staticmethod
+    def _check_move(att: Attempt) -> None:
+        """A drained attempt ends once the client has every token its decode worker produced for it."""
+        if att.move is not None and att.num_output >= att.move.num_tokens:
+            raise AttemptFailed(Cause.DRAIN, att.move.worker_id, f"drained ({att.move.method.value} move)")
 
     async def _prefill(self, att: Attempt, prefill: Worker):
         """The prefill call, abandoned as soon as either of the attempt's workers is lost."""
@@ -362,7 +440,7 @@ class Router:
         hashes = hash_blocks(ids, self.block_size)
         deadline = att.created + self.config.admission_timeout_s
         while True:
-            live = self.registry.live(kind)
+            live = self.registry.schedulable(kind)
             if live:
                 limit = self.config.max_queued_prefill_tokens
                 loads = [w.snapshot() for w in live]
@@ -382,7 +460,7 @@ class Router:
         need = cdiv(len(att.prompt), self.block_size)
         deadline = att.created + self.config.admission_timeout_s
         while True:
-            decoders = self.registry.live(PoolKind.DECODE)
+            decoders = self.registry.schedulable(PoolKind.DECODE)
             if not decoders:
                 await self._wait_room(deadline, "UNAVAILABLE", "no live decode worker: the decode pool is being "
                                       "replaced")
@@ -482,7 +560,7 @@ class Router:
             tokens = list(item.token_ids)
             while item.finish_reason is None and not att.queue.empty():
                 nxt = att.queue.get_nowait()
-                if isinstance(nxt, WorkerLostNotice) or nxt.finish_reason in ("error", "abort"):
+                if isinstance(nxt, Notice) or nxt.finish_reason in ("error", "abort"):
                     att.held = nxt  # handled on the next call, after these tokens
                     break
                 tokens += nxt.token_ids
@@ -496,9 +574,12 @@ class Router:
     async def _take(self, att: Attempt, worker: Worker) -> TokenDelta:
         while True:
             item, att.held = (att.held, None) if att.held is not None else (await att.queue.get(), None)
-            if not isinstance(item, WorkerLostNotice):
+            if isinstance(item, TokenDelta):
                 break
-            if item.worker_id == worker.worker_id:
+            if isinstance(item, MoveNotice):
+                att.move = item
+                self._check_move(att)  # else tokens it produced before the hold are still on their way
+            elif item.worker_id == worker.worker_id:
                 raise AttemptFailed(Cause.DECODE_LOST, item.worker_id, item.reason)
             # NOTE: the prefill worker was lost after its answer: the decoding attempt does not need it
         if item.finish_reason in ("error", "abort"):
@@ -550,3 +631,104 @@ class Router:
         task.add_done_callback(self._tasks.discard)
         return task
 
+
+    # -- draining ---------------------------------------------------------------------------------------
+
+    def holds_work(self, worker: Worker) -> bool:
+        """Whether any attempt still depends on `worker` (prefilling on it, or reserved or decoding there)."""
+        return any(att.decode is worker or (att.prefill is worker and att.phase <= Phase.PREFILLING)
+                   for att in self._attempts.values())
+
+    async def drain_worker(self, worker: Worker, method: Method = Method.KV, timeout_s: float = 300.0) -> bool:
+        """Stop placing on `worker` and wait until nothing depends on it: prompts it prefills finish; each
+        sequence it decodes moves to another decode worker (with its KV, `method` KV; else by recompute) as
+        soon as one can take it. True once it holds nothing; False past `timeout_s` (what is left then fails
+        over like a lost worker's when the caller retires it)."""
+        worker.draining = True
+        self._room.set()
+        if not worker.kind.decodes or (worker.kind is PoolKind.COLOCATED and method is Method.KV):
+            method = Method.RECOMPUTE  # colocated workers have no KV transport: their sequences recompute
+        deadline = time.monotonic() + timeout_s
+        logger.info("draining %s (%s moves)", worker.worker_id, method.value)
+        while worker.alive and self.holds_work(worker):
+            if time.monotonic() > deadline:
+                return False
+            if self.registry.schedulable(worker.kind):  # somewhere to go (a rolling restart's new worker)
+                for att in list(self._attempts.values()):
+                    if att.decode is worker and att.phase is Phase.DECODING and not att.moving:
+                        att.moving = True
+                        self._spawn(self._hold(att, worker, method))
+            await asyncio.sleep(0.05)
+        return worker.alive
+
+    async def _hold(self, att: Attempt, worker: Worker, method: Method) -> None:
+        """Hold a drained worker's sequence, then tell its attempt how many tokens to deliver before moving."""
+        try:
+            num_tokens = await worker.client.hold(att.key, self.config.call_timeout_s)
+        except WorkerError as e:
+            self._call_failed(worker, e, Cause.WORKER_ERROR)
+            logger.warning("hold of %s on %s failed: %s", att.key, worker.worker_id, e)
+            num_tokens = None
+        if num_tokens is None:  # not decoding right now (preempted, finishing): the drain tries it again
+            await asyncio.sleep(0.1)
+            att.moving = False
+            return
+        att.queue.put_nowait(MoveNotice(worker.worker_id, num_tokens, method))
+
+    async def _move_kv(self, state: RequestState, att: Attempt) -> Attempt | None:
+        """Move a held sequence's KV from its (drained) decode worker to another; the new attempt, already
+        DECODING there, or None when the move could not happen (the request then recomputes)."""
+        src = att.decode
+        new = state.new_attempt(kv_move=True)
+        self._attempts[new.key] = new
+        timeout = self.config.kv_move_timeout_s
+        moved = False
+        try:
+            need = cdiv(len(new.prompt), self.block_size)
+            loads = [w.snapshot() for w in self.registry.schedulable(PoolKind.DECODE) if w is not src]
+            wid = choose_decode(src.info.node_id, need, loads)
+            if wid is None:
+                logger.warning("no decode worker has room for %s's %d blocks: it recomputes", state.id, need)
+                return None
+            dst = new.decode = self.workers[wid]
+            try:
+                async with asyncio.timeout(timeout):
+                    new.reservation = await dst.client.reserve(new.key, new.prompt, new.params, src.worker_id,
+                                                               timeout)
+                    if new.reservation is None:
+                        return None
+                    result = await src.client.send_kv(att.key, new.key, new.reservation, timeout)
+                    move = KVMove(state.id, src.worker_id, dst.worker_id, len(new.prompt), result)
+                    self.observer.on_kv_move(src.worker_id, dst.worker_id, result)
+                    if not result.ok:
+                        logger.warning("KV move of %s from %s to %s failed: %s", state.id, src.worker_id,
+                                       dst.worker_id, result.error)
+                        self.kv_moves.append(move)
+                        return None
+                    if not await dst.client.start(new.key, state.generated[-1], timeout):
+                        self.kv_moves.append(move)
+                        return None
+                    if self.config.verify_kv_moves:
+                        move = dataclasses.replace(
+                            move, src_digest=await src.client.kv_digest(att.key, len(new.prompt), timeout),
+                            dst_digest=await dst.client.kv_digest(new.key, len(new.prompt), timeout))
+                        self.kv_moves.append(move)
+                        if move.src_digest != move.dst_digest:
+                            logger.error("KV move of %s from %s to %s: the KV differs from its source", state.id,
+                                         src.worker_id, dst.worker_id)
+                            return None
+                    else:
+                        self.kv_moves.append(move)
+            except (WorkerError, TimeoutError) as e:
+                if isinstance(e, WorkerError):
+                    self._call_failed(self.workers[e.worker_id], e, Cause.WORKER_ERROR)
+                logger.warning("KV move of %s from %s failed: %s", state.id, src.worker_id, e or "timed out")
+                return None
+            new.num_output = 1  # the last streamed token: the new attempt's first, already out
+            new.moved_from = src
+            state.decode_worker = dst.worker_id
+            moved = True
+            return new
+        finally:
+            if not moved:
+                self._end_attempt(new, clean=False)

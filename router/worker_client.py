@@ -13,7 +13,15 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.messages import Heartbeat, LoadReport, PrefillResult, Reservation, StepOutput, WorkerInfo
+from engine.messages import (
+    Heartbeat,
+    KVMoveResult,
+    LoadReport,
+    PrefillResult,
+    Reservation,
+    StepOutput,
+    WorkerInfo,
+)
 from engine.sampling_params import SamplingParams
 
 
@@ -85,6 +93,19 @@ class WorkerClient(ABC):
     async def resume(self, key: str, timeout: float) -> None: ...
 
     @abstractmethod
+    async def hold(self, key: str, timeout: float) -> int | None:
+        """Drain: take the decoding attempt out of the batch for good; the tokens it produced there, or
+        None when it is not decoding (see `DecodeWorker.hold`)."""
+
+    @abstractmethod
+    async def send_kv(self, key: str, dst_key: str, reservation: Reservation, timeout: float) -> KVMoveResult:
+        """Drain: push held `key`'s KV into a reservation made on another decode worker for `dst_key`."""
+
+    @abstractmethod
+    async def kv_digest(self, key: str, num_tokens: int, timeout: float) -> str:
+        """SHA-256 of the attempt's K and V for its first `num_tokens` positions (a move's bit-exact check)."""
+
+    @abstractmethod
     def steps(self) -> AsyncIterator[StepOutput]:
         """The worker's per-step messages, until it dies (then WorkerError with Failure.LOST)."""
 
@@ -149,6 +170,15 @@ class RayWorkerClient(WorkerClient):
 
     async def resume(self, key: str, timeout: float) -> None:
         await self._call(self.actor.resume.remote([key]), timeout)
+
+    async def hold(self, key: str, timeout: float) -> int | None:
+        return await self._call(self.actor.hold.remote(key), timeout)
+
+    async def send_kv(self, key: str, dst_key: str, reservation: Reservation, timeout: float) -> KVMoveResult:
+        return await self._call(self.actor.send_kv.remote(key, dst_key, reservation), timeout)
+
+    async def kv_digest(self, key: str, num_tokens: int, timeout: float) -> str:
+        return await self._call(self.actor.kv_digest.remote(key, num_tokens), timeout)
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         import ray

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.messages import EngineLoad, LoadReport, WorkerInfo
+from engine.messages import EngineLoad, KVMoveResult, LoadReport, WorkerInfo
 from engine.sampling_params import SamplingParams
 from router.metrics import Metrics
 from router.placement import PoolKind, WorkerLoad
@@ -55,6 +55,9 @@ def drive_every_hook(m: Metrics) -> None:
     m.on_kv_transfer("prefill-0", "decode-0", 0.0, 0, False)
     for i, outcome in enumerate(("stop", "length", "cancelled", "error")):
         st = stream(m, f"r{i}", [1, 1, 1], outcome, cached=16)
-    m.on_migration(st, "decode_lost")
+    m.on_migration(st, "decode_lost", "recompute")
+    m.on_migration_pause("kv", 0.1)
+    m.on_kv_move("decode-0", "decode-1", KVMoveResult(True, 4096, 0.01))
+    m.on_kv_move("decode-0", "decode-1", KVMoveResult(False, error="link broke"))
     m.on_pool_size("prefill", 1, 1)
     m.on_worker_lost(d)

@@ -33,7 +33,10 @@ EXPECTED = {
     "pdserve_kv_transfer_seconds": ("histogram", {"model", "src", "dst"}),
     "pdserve_kv_transfer_bytes": ("counter", {"model", "src", "dst"}),
     "pdserve_kv_transfer_failures": ("counter", {"model", "src", "dst"}),
-    "pdserve_request_migrations": ("counter", {"model", "cause"}),
+    "pdserve_request_migrations": ("counter", {"model", "cause", "method"}),
+    "pdserve_migration_pause_seconds": ("histogram", {"model", "method"}),
+    "pdserve_kv_moved_bytes": ("counter", {"model", "src", "dst"}),
+    "pdserve_kv_move_failures": ("counter", {"model", "src", "dst"}),
     "pdserve_workers_lost": ("counter", {"model", "pool"}),
     "pdserve_pool_live_workers": ("gauge", {"model", "pool"}),
     "pdserve_pool_target_workers": ("gauge", {"model", "pool"}),
@@ -152,11 +155,14 @@ def test_load_reports_set_per_worker_gauges_and_zero_failure_counters_per_pair()
 def test_migrations_by_cause_and_pool_sizes():
     m = Metrics(MODEL)
     st = state("r1")
-    m.on_migration(st, "decode_lost")
-    m.on_migration(st, "decode_lost")
-    m.on_migration(st, "prefill_lost")
-    assert value(m, "pdserve_request_migrations_total", cause="decode_lost") == 2
-    assert value(m, "pdserve_request_migrations_total", cause="prefill_lost") == 1
+    m.on_migration(st, "decode_lost", "recompute")
+    m.on_migration(st, "decode_lost", "recompute")
+    m.on_migration(st, "prefill_lost", "recompute")
+    m.on_migration(st, "drain", "kv")
+    assert value(m, "pdserve_request_migrations_total", cause="decode_lost", method="recompute") == 2
+    assert value(m, "pdserve_request_migrations_total", cause="prefill_lost", method="recompute") == 1
+    assert value(m, "pdserve_request_migrations_total", cause="drain", method="kv") == 1
+    assert value(m, "pdserve_request_migrations_total", cause="drain", method="recompute") == 0
     m.on_pool_size("prefill", 0, 2)
     assert value(m, "pdserve_pool_serving", pool="prefill") == 0
     assert value(m, "pdserve_pool_target_workers", pool="prefill") == 2
@@ -253,11 +259,13 @@ def test_gauges_are_finite_for_a_worker_without_blocks():
 
 
 def test_migration_cause_labels_are_the_lifecycles_causes():
-    from router.lifecycle import Cause
-    from router.metrics import MIGRATION_CAUSES
+    from router.lifecycle import Cause, Method
+    from router.metrics import MIGRATION_CAUSES, MIGRATION_METHODS
 
     assert tuple(c.value for c in Cause) == MIGRATION_CAUSES
+    assert tuple(m.value for m in Method) == MIGRATION_METHODS
     m = Metrics(MODEL)
     for cause in MIGRATION_CAUSES:  # every series exists at zero from the start, for rate() and dashboards
-        assert m.registry.get_sample_value("pdserve_request_migrations_total",
-                                           {"model": MODEL, "cause": cause}) == 0.0
+        for method in MIGRATION_METHODS:
+            assert m.registry.get_sample_value("pdserve_request_migrations_total",
+                                               {"model": MODEL, "cause": cause, "method": method}) == 0.0

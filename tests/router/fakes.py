@@ -15,6 +15,7 @@ from engine.config import cdiv
 from engine.messages import (
     EngineLoad,
     Heartbeat,
+    KVMoveResult,
     LoadReport,
     PrefillResult,
     Reservation,
@@ -57,6 +58,11 @@ class FakeWorker(WorkerClient):
         self.keys: list[str] = []  # every key this worker was asked about, in order
         self.renewed: list[str] = []
         self.paused: set[str] = set()
+        self.held_keys: set[str] = set()  # held for a drain's move: never resumed
+        self.produced: dict[str, int] = {}  # key -> tokens this worker produced for it
+        self.peers: dict[str, FakeWorker] = {}  # the cluster's workers, for KV moves
+        self.moved_out: list[tuple[str, str]] = []  # (key, dst key) of every KV move sent
+        self.fail_next_move = False
         self.flow: list[tuple[str, str]] = []  # ("pause" | "resume", key), in order
         self.dead = False
         self.killed = False
@@ -138,7 +144,7 @@ class FakeWorker(WorkerClient):
             return None
         self.held[key] = need
         self.reserved[key] = (list(prompt), params.max_tokens)
-        return Reservation(None, list(range(need)), 0, 30.0)
+        return Reservation(self.worker_id, list(range(need)), 0, 30.0)
 
     async def renew(self, keys, timeout):
         await self._timed(self._enter(), timeout)
@@ -169,6 +175,7 @@ class FakeWorker(WorkerClient):
             return False
         prompt, max_tokens = reserved
         self.running[key] = (prompt + [first_token], max_tokens - 1)
+        self.produced[key] = 1
         self._ensure_loop()
         return True
 
@@ -177,6 +184,7 @@ class FakeWorker(WorkerClient):
         self.keys.append(key)
         self.held[key] = cdiv(len(prompt) + params.max_tokens, BLOCK)
         self.running[key] = (list(prompt), params.max_tokens)
+        self.produced[key] = 0
         self._ensure_loop()
 
     async def abort(self, key, timeout):
@@ -184,6 +192,7 @@ class FakeWorker(WorkerClient):
         self.held.pop(key, None)
         self.reserved.pop(key, None)
         self.running.pop(key, None)
+        self.held_keys.discard(key)
 
     async def pause(self, key, timeout):
         await self._timed(self._enter(), timeout)
@@ -195,8 +204,35 @@ class FakeWorker(WorkerClient):
         if self.fail_next_resume:
             self.fail_next_resume = False
             raise WorkerError(self.worker_id, "unavailable: connection reset", Failure.UNAVAILABLE)
-        self.paused.discard(key)
+        if key not in self.held_keys:
+            self.paused.discard(key)
         self.flow.append(("resume", key))
+
+    async def hold(self, key, timeout):
+        await self._timed(self._enter(), timeout)
+        if key not in self.running:
+            return None
+        self.paused.add(key)
+        self.held_keys.add(key)
+        return self.produced[key]
+
+    async def send_kv(self, key, dst_key, reservation, timeout):
+        await self._timed(self._enter(), timeout)
+        assert key in self.held_keys, f"send_kv of {key}, which is not held on {self.worker_id}"
+        seq, _ = self.running[key]
+        dst = self.peers[reservation.kv_address]
+        if self.fail_next_move or dst.dead:
+            self.fail_next_move = False
+            return KVMoveResult(False, error="injected KV move failure")
+        # the fake's "KV" is the sequence itself: the destination's prompt must be all of it but the last token
+        assert dst.reserved[dst_key][0] == seq[:-1], "the KV moved does not match the destination's prompt"
+        self.moved_out.append((key, dst_key))
+        return KVMoveResult(True, num_bytes=len(seq) - 1, seconds=0.001)
+
+    async def kv_digest(self, key, num_tokens, timeout):
+        await self._timed(self._enter(), timeout)
+        seq, _ = self.running[key]
+        return str(hash(tuple(seq[:num_tokens])))
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         while True:
@@ -237,6 +273,7 @@ class FakeWorker(WorkerClient):
                     continue
                 tok = next_token(seq)
                 seq.append(tok)
+                self.produced[key] += 1
                 left -= 1
                 done = left == 0
                 deltas.append(TokenDelta(key, [tok], "length" if done else None))
@@ -266,6 +303,7 @@ class FakeCluster:
 
     def add(self, fake: FakeWorker) -> None:
         self.workers[fake.worker_id] = fake
+        fake.peers = self.workers
         info = WorkerInfo(fake.worker_id, fake.kind.value, fake.node, "127.0.0.1", BLOCK, fake.num_blocks)
         self.registry.add(make_worker(info, fake, fake.kind))
 
