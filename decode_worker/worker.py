@@ -39,6 +39,7 @@ from engine.config import EngineConfig, cdiv
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.messages import (
+    EngineLoad,
     Heartbeat,
     KVMoveResult,
     LoadReport,
@@ -292,12 +293,15 @@ class DecodeWorker:
 
         return await asyncio.wrap_future(self.loop.call(describe))
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> EngineLoad:
+        """Stop; returns the load it stopped with (a drained worker's shows it held nothing)."""
+        load = await asyncio.wrap_future(self.loop.call(self.engine.load))
         self.loop.shutdown()
         if self.receiver is not None:
             self.receiver.close()
         if self.sender is not None:
             self.sender.close()
+        return load
 
     # -- on the loop thread -----------------------------------------------------------------------------
 

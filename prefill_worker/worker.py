@@ -18,6 +18,7 @@ from engine.config import EngineConfig, cdiv
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.messages import (
+    EngineLoad,
     Heartbeat,
     LoadReport,
     PrefillResult,
@@ -106,9 +107,12 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: self._end(request_id, "aborted by the router")))
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> EngineLoad:
+        """Stop; returns the load it stopped with (a drained worker's shows it held nothing)."""
+        load = await asyncio.wrap_future(self.loop.call(self.engine.load))
         self.loop.shutdown()
         self.sender.close()
+        return load
 
     # -- on the loop thread -----------------------------------------------------------------------------
 

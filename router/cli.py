@@ -1,5 +1,6 @@
 """The `pdserve` command: `serve` starts a deployment, `generate` streams a completion from one, `bench`
-measures layouts side by side (`benchmarks.serving.cli`)."""
+measures layouts side by side (`benchmarks.serving.cli`); `workers`, `scale`, `drain` and `restart-pool`
+operate a running one (`router.admin_cli`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import json
 import logging
 import sys
 
-DEFAULT_SERVER = "127.0.0.1:50051"
+from router import admin_cli
+from router.admin_cli import DEFAULT_SERVER
 
 
 def _resources(text: str) -> dict[str, float]:
@@ -66,6 +68,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "declared dead, killed and replaced")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish")
+    p.add_argument("--verify-kv-moves", action="store_true",
+                   help="check each drained sequence's KV at its destination against its source (SHA-256 of "
+                        "both; costs a full read of the KV on each side)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="the OpenAI-compatible HTTP door (/v1/completions, /v1/chat/completions), bound to "
                         "--host like gRPC; 0 turns it off")
@@ -114,7 +119,8 @@ def serve_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue, admission_timeout_s=args.admission_timeout,
         max_queued_prefill_tokens=args.max_queued_prefill_tokens, migration_limit=args.migration_limit,
-        worker_timeout=args.worker_timeout, shutdown_grace=args.shutdown_grace, tls_cert=args.tls_cert,
+        worker_timeout=args.worker_timeout, shutdown_grace=args.shutdown_grace,
+        verify_kv_moves=args.verify_kv_moves, tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype)
 
@@ -139,11 +145,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    import grpc
-
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-    from router.security import client_security
+    from router.security import run_client
 
     sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
     if args.seed is not None:
@@ -153,29 +157,21 @@ def generate(args: argparse.Namespace) -> int:
         req.messages.messages.append(pb.ChatMessage(role="user", content=args.prompt))
     else:
         req.prompt = args.prompt
-    try:
-        security = client_security(args)
-    except ValueError as e:
-        print(f"pdserve generate: {e}", file=sys.stderr)
-        return 2
-    with security.channel(args.server) as channel:
-        try:
-            last = None
-            for res in pb_grpc.GenerationStub(channel).Generate(req):
-                print(res.text, end="", flush=True)
-                last = res
-            print()
-            if last is not None:
-                u, t = last.usage, last.timing
-                print(f"[{pb.FinishReason.Name(last.finish_reason)}; {u.prompt_tokens} prompt "
-                      f"({u.cached_prompt_tokens} cached) + {u.completion_tokens} completion tokens; "
-                      f"prefill {last.prefill_worker_id}, decode {last.decode_worker_id}; "
-                      f"prefill {t.prefill_seconds * 1e3:.0f} ms, KV {t.kv_transfer_seconds * 1e3:.1f} ms]",
-                      file=sys.stderr)
-        except grpc.RpcError as e:
-            print(f"\npdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    return 0
+    def call(channel) -> None:
+        last = None
+        for res in pb_grpc.GenerationStub(channel).Generate(req):
+            print(res.text, end="", flush=True)
+            last = res
+        print()
+        if last is not None:
+            u, t = last.usage, last.timing
+            print(f"[{pb.FinishReason.Name(last.finish_reason)}; {u.prompt_tokens} prompt "
+                  f"({u.cached_prompt_tokens} cached) + {u.completion_tokens} completion tokens; "
+                  f"prefill {last.prefill_worker_id}, decode {last.decode_worker_id}; "
+                  f"prefill {t.prefill_seconds * 1e3:.0f} ms, KV {t.kv_transfer_seconds * 1e3:.1f} ms]",
+                  file=sys.stderr)
+
+    return run_client(args, "generate", call)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate(sub)
+    admin_cli.add_parsers(sub)
     sub.add_parser("bench", add_help=False,
                    help="run workloads against server layouts side by side (pdserve bench --help)")
     return parser
@@ -195,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
-    return {"serve": serve, "generate": generate}[args.command](args)
+    return {"serve": serve, "generate": generate, **admin_cli.COMMANDS}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ A transient `ActorUnavailableError` is not death. Replacements that fail to star
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -72,6 +73,7 @@ class Worker:
     load: WorkerLoad
     inflight_prefill_tokens: int = 0  # prompt tokens sent to it and not yet answered (router's own count)
     draining: bool = False  # being taken out of service: placement skips it; it leaves once it holds nothing
+    moved: collections.Counter = field(default_factory=collections.Counter)  # sequences drained off, by Method
 
     @property
     def worker_id(self) -> str:

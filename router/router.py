@@ -282,6 +282,7 @@ class Router:
                         moved = await self._move_kv(state, att)
                     method = Method.KV if moved is not None else Method.RECOMPUTE
                     state.last_method = method
+                    self.workers[att.move.worker_id].moved[method] += 1
                     self.observer.on_migration(state, e.cause.value, method.value)
                     if moved is not None:
                         state.to(Phase.DECODING)
@@ -477,6 +478,10 @@ class Router:
                 tried.add(wid)
                 # NOTE: named before the call, so a cancel or timeout mid-call still aborts what it reserved
                 decode = att.decode = self.workers[wid]
+                # NOTE: counted from the moment of choice until the worker's next report, so a burst of requests
+                # placed together spreads over the pool (a new worker takes its share at once)
+                decode.load = dataclasses.replace(decode.load, num_running=decode.load.num_running + 1,
+                                                  free_blocks=max(0, decode.load.free_blocks - need))
                 try:
                     reservation = await decode.client.reserve(att.key, att.prompt, att.params,
                                                               prefill.worker_id, self.config.call_timeout_s)

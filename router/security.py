@@ -207,3 +207,22 @@ def client_security(args) -> ClientSecurity:
     as_path = lambda p: Path(p) if p else None  # noqa: E731
     return ClientSecurity(as_path(args.tls_ca), as_path(args.tls_cert), as_path(args.tls_key),
                           resolve_api_key(args.api_key))
+
+
+def run_client(args, verb: str, call) -> int:
+    """A client command's body: open the channel the flags describe (`--server` and the security flags), run
+    `call(channel)`; a bad flag prints and returns 2, a gRPC error prints its status and returns 1."""
+    import sys
+
+    try:
+        security = client_security(args)
+    except ValueError as e:
+        print(f"pdserve {verb}: {e}", file=sys.stderr)
+        return 2
+    with security.channel(args.server) as channel:
+        try:
+            call(channel)
+        except grpc.RpcError as e:
+            print(f"\npdserve {verb}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0

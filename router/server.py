@@ -21,8 +21,11 @@ from engine.hub import resolve_model
 from engine.loader import load_config
 from engine.messages import node_identity
 from engine.tokenizer import Tokenizer
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.admin import PoolAdmin
+from router.admin_servicer import AdminServicer
 from router.http_api import HttpDoor, HttpServer
 from router.metrics import Metrics, MetricsEndpoint
 from router.observer import RequestObserver
@@ -63,6 +66,7 @@ class ServeConfig:
     migration_limit: int = 3  # re-placements per request after a worker loss or a failed transfer
     worker_timeout: float = 10.0  # no heartbeat, or no engine progress with work to do, this long: dead
     shutdown_grace: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    verify_kv_moves: bool = False  # check every drained sequence's moved KV against its source (SHA-256)
     metrics_port: int | None = 9400  # Prometheus /metrics; None -> no metrics endpoint, 0 -> any free port
     metrics_host: str | None = None  # where /metrics binds; None -> --host (scrape it from inside only)
     http_port: int | None = None  # the OpenAI-compatible HTTP door; None -> off, 0 -> any free port
@@ -131,7 +135,7 @@ class ServeConfig:
     def router_config(self) -> RouterConfig:
         return RouterConfig(self.block_size, self.routing, self.max_queue, self.admission_timeout_s,
                             self.max_queued_prefill_tokens, self.migration_limit,
-                            call_timeout_s=self.worker_timeout)
+                            call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:
@@ -182,10 +186,15 @@ class Server:
 
         self.grpc = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.grpc)
+        # NOTE: the operator API shares the port, so the API key and TLS guard it exactly as they guard
+        # generation: there is no unprotected side door
+        self.admin_servicer = AdminServicer()
+        admin_pb2_grpc.add_AdminServicer_to_server(self.admin_servicer, self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME,
+            (pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+             admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, health.SERVICE_NAME,
              reflection.SERVICE_NAME), self.grpc)
         try:
             tls = c.tls()
@@ -240,6 +249,7 @@ class Server:
         await self.pools.start()
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         servicer.router = self.router
+        self.admin = self.admin_servicer.admin = PoolAdmin(self.router, self.pools)
         if self.http is not None:
             self.http_door.router = self.router
         self._tasks.append(asyncio.ensure_future(self._watch_health()))
@@ -254,9 +264,10 @@ class Server:
             empty = []
             for spec in self.pools.specs:
                 live = len(self.pools.live(spec.kind))
+                target = self.pools.targets[spec.kind]
                 if self.observer is not None:
-                    self.observer.on_pool_size(spec.kind.value, live, spec.num_workers)
-                if not live and spec.num_workers:
+                    self.observer.on_pool_size(spec.kind.value, live, target)
+                if not live and target:
                     empty.append(spec.kind.value)
             now = not empty and not self.router.draining
             self._serving = now

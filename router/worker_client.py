@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.messages import (
+    EngineLoad,
     Heartbeat,
     KVMoveResult,
     LoadReport,
@@ -110,7 +111,8 @@ class WorkerClient(ABC):
         """The worker's per-step messages, until it dies (then WorkerError with Failure.LOST)."""
 
     @abstractmethod
-    async def shutdown(self, timeout: float) -> None: ...
+    async def shutdown(self, timeout: float) -> EngineLoad | None:
+        """Stop the worker politely (close its KV links); the load it stopped with."""
 
     @abstractmethod
     def kill(self) -> None:
@@ -194,8 +196,8 @@ class RayWorkerClient(WorkerClient):
             raise WorkerError(self.worker_id, f"step stream failed: {e}", Failure.ERROR) from e
         raise WorkerError(self.worker_id, "step stream ended", Failure.ERROR)
 
-    async def shutdown(self, timeout: float) -> None:
-        await self._call(self.actor.shutdown.remote(), timeout)
+    async def shutdown(self, timeout: float) -> EngineLoad | None:
+        return await self._call(self.actor.shutdown.remote(), timeout)
 
     def kill(self) -> None:
         import ray

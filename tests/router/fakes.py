@@ -244,7 +244,9 @@ class FakeWorker(WorkerClient):
             yield out
 
     async def shutdown(self, timeout):
+        load = self._load()
         self.die()
+        return load
 
     def kill(self) -> None:
         self.killed = True

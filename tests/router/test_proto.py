@@ -13,13 +13,14 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor
 
 from protos import generate as gen
+from protos.pdserve.v1 import admin_pb2 as admin_pb
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 pytest.importorskip("grpc_tools", reason="grpcio-tools regenerates the code to compare against")
 
 V1 = gen.PROTO_ROOT / "pdserve" / "v1"
-GENERATED = ["generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"]
+GENERATED = [f"{name}{suffix}" for name in ("admin", "generation") for suffix in gen.GENERATED_SUFFIXES]
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +48,11 @@ def _generator_versions(directory: Path) -> tuple[str, str]:
     return protobuf.group(1), grpc_version.group(1)
 
 
-def test_committed_descriptor_matches_the_proto(fresh: Path) -> None:
+@pytest.mark.parametrize("module", [pb, admin_pb], ids=["generation", "admin"])
+def test_committed_descriptor_matches_the_proto(fresh: Path, module) -> None:
     """Holds with any grpcio-tools version: what the committed module registers is what the .proto says."""
-    committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
-    regenerated = _serialized_descriptor((fresh / "generation_pb2.py").read_text())
+    committed = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
+    regenerated = _serialized_descriptor((fresh / Path(module.__file__).name).read_text())
     assert committed == regenerated, "generated code is stale: run `python -m protos.generate`"
 
 
@@ -68,6 +70,8 @@ def test_generated_imports_are_rooted_in_protos() -> None:
         text = (V1 / name).read_text()
         assert not re.search(r"^\s*(from|import) pdserve\b", text, re.MULTILINE), name
     assert "from protos.pdserve.v1 import generation_pb2" in (V1 / "generation_pb2_grpc.py").read_text()
+    # admin.proto imports generation.proto (PoolKind): that import is rooted too
+    assert "from protos.pdserve.v1 import generation_pb2" in (V1 / "admin_pb2.py").read_text()
 
 
 def test_import_rewrite_covers_nested_packages() -> None:
@@ -233,3 +237,19 @@ def test_generated_service_round_trips_over_a_real_channel() -> None:
     assert [(r.request_id, list(r.token_ids), r.text) for r in responses] == [("r1", [1], "a"), ("r1", [2], "b")]
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH and responses[-1].usage.completion_tokens == 2
     assert info.pools[0].workers[0].node_id == "n0"
+
+
+def test_admin_service_methods() -> None:
+    assert admin_pb.DESCRIPTOR.name == "pdserve/v1/admin.proto"
+    service = admin_pb.DESCRIPTOR.services_by_name["Admin"]
+    assert service.full_name == "pdserve.v1.Admin"
+    assert {m.name: (m.input_type.name, m.output_type.name, m.server_streaming) for m in service.methods} == {
+        "ListWorkers": ("ListWorkersRequest", "ListWorkersResponse", False),
+        "ScalePool": ("ScalePoolRequest", "ScalePoolResponse", False),
+        "DrainWorker": ("DrainWorkerRequest", "DrainWorkerResponse", False),
+        "RestartPool": ("RestartPoolRequest", "RestartPoolResponse", False),
+    }
+    # the pool is the Generation contract's PoolKind, not a second enum
+    assert admin_pb.WorkerStatus.DESCRIPTOR.fields_by_name["pool"].enum_type is pb.PoolKind.DESCRIPTOR
+    assert dict(admin_pb.MigrationMethod.items()) == {
+        "MIGRATION_METHOD_UNSPECIFIED": 0, "MIGRATION_METHOD_KV": 1, "MIGRATION_METHOD_RECOMPUTE": 2}

@@ -1,0 +1,103 @@
+"""The `pdserve.v1.Admin` gRPC service: `router.admin.PoolAdmin` on the wire."""
+
+from __future__ import annotations
+
+import grpc
+
+from protos.pdserve.v1 import admin_pb2 as pb
+from protos.pdserve.v1 import admin_pb2_grpc as pb_grpc
+from protos.pdserve.v1 import generation_pb2 as gen_pb
+from router.admin import DEFAULT_TIMEOUT_S, AdminError, DrainOutcome, PoolAdmin, PoolSize
+from router.lifecycle import Method
+from router.placement import PoolKind
+
+POOLS = {PoolKind.PREFILL: gen_pb.POOL_KIND_PREFILL, PoolKind.DECODE: gen_pb.POOL_KIND_DECODE,
+         PoolKind.COLOCATED: gen_pb.POOL_KIND_COLOCATED}
+KINDS = {v: k for k, v in POOLS.items()}
+METHODS = {pb.MIGRATION_METHOD_UNSPECIFIED: Method.KV, pb.MIGRATION_METHOD_KV: Method.KV,
+           pb.MIGRATION_METHOD_RECOMPUTE: Method.RECOMPUTE}
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self) -> None:
+        self.admin: PoolAdmin | None = None  # set once every pool is up
+
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext):
+        admin = await self._admin(context)
+        res = pb.ListWorkersResponse(pools=[_pool(s) for s in admin.sizes()])
+        for w in admin.workers():
+            ld = w.load
+            res.workers.append(pb.WorkerStatus(
+                worker_id=w.worker_id, pool=POOLS[w.kind],
+                state=pb.WORKER_STATE_DRAINING if w.draining else pb.WORKER_STATE_SERVING,
+                node_id=w.info.node_id, node_ip=w.info.node_ip, pid=w.info.pid, num_running=ld.num_running,
+                num_waiting=ld.num_waiting, queued_prefill_tokens=w.snapshot().queued_prefill_tokens,
+                free_blocks=ld.free_blocks, total_blocks=ld.total_blocks))
+        return res
+
+    async def ScalePool(self, request: pb.ScalePoolRequest, context: grpc.aio.ServicerContext):
+        admin = await self._admin(context)
+        kind = await _kind(request.pool, context)
+        try:
+            out = await admin.scale(kind, request.num_workers, await _method(request.method, context),
+                                    await _timeout(request.timeout_seconds, context))
+        except AdminError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        return pb.ScalePoolResponse(pool=_pool(out.pool), started=out.started, retired=out.retired)
+
+    async def DrainWorker(self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext):
+        admin = await self._admin(context)
+        if not request.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id: required (pdserve workers lists them)")
+        try:
+            out = await admin.drain(request.worker_id, await _method(request.method, context), request.replace,
+                                    await _timeout(request.timeout_seconds, context))
+        except AdminError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        return _drained(out)
+
+    async def RestartPool(self, request: pb.RestartPoolRequest, context: grpc.aio.ServicerContext):
+        admin = await self._admin(context)
+        kind = await _kind(request.pool, context)
+        try:
+            outs = await admin.restart(kind, await _method(request.method, context),
+                                       await _timeout(request.timeout_seconds, context))
+        except AdminError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        return pb.RestartPoolResponse(drained=[_drained(o) for o in outs])
+
+    async def _admin(self, context: grpc.aio.ServicerContext) -> PoolAdmin:
+        if self.admin is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker pools are still starting; retry")
+        return self.admin
+
+
+def _pool(size: PoolSize) -> pb.PoolStatus:
+    return pb.PoolStatus(pool=POOLS[size.pool], target=size.target, serving=size.serving, draining=size.draining,
+                         starting=size.starting)
+
+
+def _drained(out: DrainOutcome) -> pb.DrainWorkerResponse:
+    return pb.DrainWorkerResponse(worker_id=out.worker_id, moved_kv=out.moved.get(Method.KV, 0),
+                                  moved_recompute=out.moved.get(Method.RECOMPUTE, 0), clean=out.clean,
+                                  replacement=out.replacement, seconds=out.seconds,
+                                  blocks_held_at_exit=out.blocks_held_at_exit)
+
+
+async def _kind(pool: int, context: grpc.aio.ServicerContext) -> PoolKind:
+    if pool not in KINDS:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "pool: must be POOL_KIND_PREFILL, POOL_KIND_DECODE or POOL_KIND_COLOCATED")
+    return KINDS[pool]
+
+
+async def _method(method: int, context: grpc.aio.ServicerContext) -> Method:
+    if method not in METHODS:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"method: unknown migration method {method}")
+    return METHODS[method]
+
+
+async def _timeout(seconds: float, context: grpc.aio.ServicerContext) -> float:
+    if seconds < 0 or seconds != seconds:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_seconds: must be >= 0, got {seconds}")
+    return seconds or DEFAULT_TIMEOUT_S
