@@ -18,6 +18,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.security import ClientSecurity
@@ -89,7 +90,8 @@ def test_tls_with_an_api_key(ray_cluster, pki):
             refl = reflection_pb2_grpc.ServerReflectionStub(ch)
             services = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
                 list_services="")]), timeout=10)).list_services_response.service
-            assert "pdserve.v1.Generation" in {x.name for x in services}
+            assert {"pdserve.v1.Generation", "pdserve.v1.Admin"} <= {x.name for x in services}
+            assert len(admin_pb2_grpc.AdminStub(ch).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10).workers) == 2
 
         for bad, why in ((ClientSecurity(tls_ca=pki["ca"]), "missing"),
                          (ClientSecurity(tls_ca=pki["ca"], api_key="wrong"), "wrong API key")):
@@ -97,6 +99,11 @@ def test_tls_with_an_api_key(ray_cluster, pki):
                 with pytest.raises(grpc.RpcError) as e:
                     _generate(ch)
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and why in e.value.details()
+                # the operator API is behind the same key: no side door
+                with pytest.raises(grpc.RpcError) as e:
+                    admin_pb2_grpc.AdminStub(ch).DrainWorker(admin_pb2.DrainWorkerRequest(worker_id="decode-0"),
+                                                             timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status \
                     == health_pb2.HealthCheckResponse.SERVING  # health stays open
                 refl = reflection_pb2_grpc.ServerReflectionStub(ch)
@@ -135,6 +142,9 @@ def test_tls_with_an_api_key(ray_cluster, pki):
                      "--api-key", KEY]) == 0
         assert main(["generate", "hello", "--server", address, "--max-tokens", "3", "--tls-ca",
                      str(pki["ca"])]) == 1  # no key: UNAUTHENTICATED, reported and exit 1
+        assert main(["workers", "--server", address, "--tls-ca", str(pki["ca"]), "--api-key", KEY]) == 0
+        assert main(["workers", "--server", address, "--tls-ca", str(pki["ca"])]) == 1
+        assert {w.worker_id for w in s.server.registry.live()} == {"prefill-0", "decode-0"}  # nothing was drained
 
 
 def test_mutual_tls_rejects_a_client_without_a_certificate(ray_cluster, pki):
