@@ -17,7 +17,6 @@ Between trials the pool is let grow back to 2 decode workers. Every worker is a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -27,6 +26,7 @@ import time
 
 import grpc
 
+from benchmarks.output import emit
 from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -123,15 +123,10 @@ def main(argv: list[str] | None = None) -> int:
                "median_extra_over_prefill": statistics.median(r["extra_over_prefill"] for r in rows),
                "median_pause_s": statistics.median(r["pause_s"] for r in rows),
                "median_twin_prefill_s": statistics.median(r["twin_prefill_s"] for r in rows)}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print(f"migration of a {args.prompt_tokens}-token prompt after {args.kill_after} tokens: extra latency "
-              f"{summary['median_extra_over_prefill']:.2f}x the prefill time (median of {len(rows)}), "
-              f"client pause {summary['median_pause_s']:.2f}s")
+    emit(summary, args.out, args.json, lambda s: (
+        f"migration of a {args.prompt_tokens}-token prompt after {args.kill_after} tokens: extra latency "
+        f"{s['median_extra_over_prefill']:.2f}x the prefill time (median of {len(rows)}), client pause "
+        f"{s['median_pause_s']:.2f}s"))
     return 0
 
 

@@ -31,6 +31,7 @@ BLOCK = 16
 def _fake_worker_classes():
     from engine.messages import (
         EngineLoad,
+        FirstToken,
         Heartbeat,
         LoadReport,
         PrefillResult,
@@ -55,9 +56,9 @@ def _fake_worker_classes():
             return LoadReport(self.worker_id, EngineLoad(0, 0, 0, 1 << 20, 1 << 20, 0))
 
         async def prefill(self, key, prompt, params, reservation):
-            now = time.time()
-            return PrefillResult(key, 1000 + len(prompt) % 1000, None, 0, scheduled_at=now, sampled_at=now,
-                                 kv_done_at=now)
+            now, token = time.time(), 1000 + len(prompt) % 1000
+            yield FirstToken(key, token, None, 0, now, now)
+            yield PrefillResult(key, token, None, 0, scheduled_at=now, sampled_at=now, kv_done_at=now)
 
         async def reserve(self, *a, **k):
             raise NotImplementedError
@@ -79,6 +80,18 @@ def _fake_worker_classes():
 
         async def resume(self, key, timeout):
             pass
+
+        async def hold(self, *a, **k):  # drains: not benchmarked here
+            raise NotImplementedError
+
+        async def connect(self, *a, **k):
+            raise NotImplementedError
+
+        async def send_kv(self, *a, **k):
+            raise NotImplementedError
+
+        async def kv_digest(self, *a, **k):
+            raise NotImplementedError
 
         async def steps(self) -> AsyncIterator:
             raise NotImplementedError

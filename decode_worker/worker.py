@@ -108,7 +108,8 @@ class DecodeWorker:
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, self.kind, self.node_id, self.node_ip,
                           self.engine.cache_spec.block_size, self.engine.allocator.num_blocks,
-                          self.receiver.address if self.receiver else None, os.getpid())
+                          self.receiver.address if self.receiver else None, os.getpid(),
+                          self.engine.cache_spec.bytes_per_block // self.engine.cache_spec.block_size)
 
     async def ping(self) -> Heartbeat:
         return Heartbeat(self.worker_id, time.monotonic() - self.loop.last_progress, self.loop.busy,
@@ -211,6 +212,12 @@ class DecodeWorker:
             return len(req.output_token_ids)
 
         return await asyncio.wrap_future(self.loop.call(hold))
+
+    async def connect(self, peers: list) -> None:
+        """Open KV links to these decode workers' receivers (`kv_transfer.PeerAddress`) ahead of moves."""
+        assert self.sender is not None, "connect() on a colocated worker"
+        for peer in peers:
+            self.sender.connect(peer)
 
     async def send_kv(self, request_id: str, dst_key: str, reservation: Reservation) -> KVMoveResult:
         """Push held `request_id`'s KV into `reservation` (made on another decode worker for `dst_key`, with

@@ -63,6 +63,7 @@ class WorkerInfo:
     num_blocks: int
     kv_address: Any = None  # a decode worker's KV receiver address (kv_transfer.PeerAddress)
     pid: int = 0  # the actor's process (operators and the chaos tests signal it)
+    kv_bytes_per_token: int = 0  # KV a token takes on the wire, every layer (placement's transfer cost)
 
 
 @dataclass
@@ -83,6 +84,18 @@ class Reservation:
     block_ids: list[int]  # the decode worker's table for the whole prompt
     num_cached_blocks: int  # leading blocks already held by the decode worker's prefix cache: not sent
     lease_s: float  # the reservation lapses this long after its last renewal (see `DecodeWorker.renew`)
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """A prefill worker sampled the prompt's first token: sent at once, before the KV has landed."""
+
+    request_id: str
+    token: int
+    finish_reason: str | None  # set when the first token already ends the request ("stop" | "length")
+    num_cached_tokens: int  # prompt tokens the prefill worker's prefix cache served
+    scheduled_at: float  # time.time() of the prompt's first chunk
+    sampled_at: float
 
 
 @dataclass

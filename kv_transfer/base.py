@@ -75,6 +75,11 @@ class KVSender(ABC):
     endpoint_id: str  # this sender's name; the receiver's `expect(src=...)` names it
 
     @abstractmethod
+    def connect(self, dst: PeerAddress) -> None:
+        """Open the link to `dst` now, in the background, so the first transfer there does not wait for it
+        (a drain warms its links before it moves anything). Optional: `begin` connects when needed."""
+
+    @abstractmethod
     def begin(self, request_id: str, dst: PeerAddress, src_block_ids: Sequence[int],
               dst_block_ids: Sequence[int], deadline: float) -> None:
         """Start a transfer of every layer of `src_block_ids` into the receiver's `dst_block_ids` (same

@@ -104,6 +104,13 @@ class LayerwiseSender(BookKeeper, KVSender):
 
     # ---- the worker's API ----
 
+    def connect(self, dst: PeerAddress) -> None:
+        if dst.transport != self.transport:
+            raise ValueError(f"dst is a {dst.transport!r} receiver; this sender speaks {self.transport!r}")
+        with self._lock:
+            if not self._closed:
+                self._link_for_locked(dst)
+
     def begin(self, request_id: str, dst: PeerAddress, src_block_ids: Sequence[int],
               dst_block_ids: Sequence[int], deadline: float) -> None:
         if dst.transport != self.transport:

@@ -1,8 +1,9 @@
 """PrefillWorker: computes prompts, samples their first token, and pushes their KV to a decode worker.
 
-A Ray actor holding one model replica. `prefill` is one remote call per request: it queues the prompt,
-and its answer comes back once the first token is sampled *and* the KV has landed on the decode worker (or
-the transfer failed). Inside, an EngineLoop thread batches waiting prompts under the token budget. On the
+A Ray actor holding one model replica. `prefill` is one streaming remote call per request: it queues the
+prompt and yields twice: the first token (`FirstToken`) the moment it is sampled, so the client gets it at
+once, then the outcome (`PrefillResult`) once the KV has landed on the decode worker (or the transfer
+failed). Inside, an EngineLoop thread batches waiting prompts under the token budget. On the
 step that finishes a prompt, the worker opens the transfer before the model runs and ships each layer's
 blocks as soon as that layer is written, so the copy overlaps the remaining layers' compute.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig, cdiv
@@ -19,6 +21,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.messages import (
     EngineLoad,
+    FirstToken,
     Heartbeat,
     LoadReport,
     PrefillResult,
@@ -45,7 +48,8 @@ class _Job:
     dst: PeerAddress
     dst_block_ids: list[int]  # the decode worker's table for the whole prompt
     num_dst_cached_blocks: int  # leading blocks the decode worker already holds: not sent
-    future: asyncio.Future
+    outbox: asyncio.Queue  # FirstToken, then the PrefillResult; filled from the loop thread ...
+    actor_loop: asyncio.AbstractEventLoop  # ... through the actor's event loop
     scheduled_at: float = 0.0
     sampled_at: float = 0.0
     transfer_open: bool = False
@@ -66,7 +70,8 @@ class PrefillWorker:
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, "prefill", self.node_id, self.node_ip,
-                          self.engine.cache_spec.block_size, self.engine.allocator.num_blocks, pid=os.getpid())
+                          self.engine.cache_spec.block_size, self.engine.allocator.num_blocks, pid=os.getpid(),
+                          kv_bytes_per_token=self.engine.cache_spec.bytes_per_block // self.engine.cache_spec.block_size)
 
     async def ping(self) -> Heartbeat:
         return Heartbeat(self.worker_id, time.monotonic() - self.loop.last_progress, self.loop.busy,
@@ -76,9 +81,11 @@ class PrefillWorker:
         return await asyncio.wrap_future(self.loop.call(self._report))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      reservation: Reservation) -> PrefillResult:
-        """Compute the prompt, push its KV into `reservation`, answer with the first token."""
-        future = asyncio.get_running_loop().create_future()
+                      reservation: Reservation) -> AsyncIterator[FirstToken | PrefillResult]:
+        """Compute the prompt and push its KV into `reservation`: yields the first token as soon as it is
+        sampled, then the outcome once the KV landed (a failure yields only the outcome)."""
+        outbox: asyncio.Queue = asyncio.Queue()
+        actor_loop = asyncio.get_running_loop()
         dst, dst_block_ids = reservation.kv_address, reservation.block_ids
         num_dst_cached_blocks = reservation.num_cached_blocks
 
@@ -88,10 +95,14 @@ class PrefillWorker:
             req = Request(request_id, prompt_token_ids, params, self.engine.cache_spec.block_size,
                           self.engine.eos_token_ids, self.engine.max_model_len, prefill_only=True)
             self.engine.scheduler.add(req)
-            self.jobs[request_id] = _Job(req, dst, dst_block_ids, num_dst_cached_blocks, future)
+            self.jobs[request_id] = _Job(req, dst, dst_block_ids, num_dst_cached_blocks, outbox, actor_loop)
 
         await asyncio.wrap_future(self.loop.call(add))
-        return await future
+        while True:
+            item = await outbox.get()
+            yield item
+            if isinstance(item, PrefillResult):
+                return
 
     async def describe(self) -> dict:
         """What this worker holds right now (for debugging and operators)."""
@@ -103,6 +114,10 @@ class PrefillWorker:
                     "requests": {rid: r.status.name for rid, r in self.engine.scheduler.requests.items()}}
 
         return await asyncio.wrap_future(self.loop.call(describe))
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix no request holds (benchmarks measure cold prefills with it)."""
+        await asyncio.wrap_future(self.loop.call(self.engine.allocator.reset_cache))
 
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: self._end(request_id, "aborted by the router")))
@@ -171,7 +186,13 @@ class PrefillWorker:
             job.sampled_at = out.time
             if delta.finish_reason == "error":
                 self._end(delta.request_id, "the prefill step failed")
-            elif not job.transfer_open:  # nothing to send: done as soon as sampled
+                continue
+            req = job.request
+            stop = req.check_stop()
+            _put(job, FirstToken(req.request_id, req.output_token_ids[0],
+                                        None if stop is None else FINISH_REASONS[stop].value, req.num_cached_tokens,
+                                        job.scheduled_at, job.sampled_at))
+            if not job.transfer_open:  # nothing to send: done as soon as sampled
                 self._finish(job, None)
 
     def _poll(self) -> bool:
@@ -197,7 +218,7 @@ class PrefillWorker:
                                req.num_cached_tokens, error, job.scheduled_at, job.sampled_at, now,
                                now - job.transfer_opened_at if job.transfer_open else 0.0,
                                job.transfer_bytes, transfer is not None and not transfer.ok, self._report())
-        _resolve(job.future, result)
+        _put(job, result)
 
     def _end(self, request_id: str, reason: str) -> None:
         job = self.jobs.pop(request_id, None)
@@ -206,19 +227,14 @@ class PrefillWorker:
         if job.transfer_open:
             self.sender.abort(request_id, reason)
         self.engine.scheduler.finish(job.request, RequestStatus.FINISHED_ABORTED)
-        _resolve(job.future, PrefillResult(request_id, None, None, job.request.num_cached_tokens, reason,
-                                           report=self._report()))
+        _put(job, PrefillResult(request_id, None, None, job.request.num_cached_tokens, reason,
+                                       report=self._report()))
 
     def _report(self) -> LoadReport:
         events = self.engine.allocator.drain_events()
         return LoadReport(self.worker_id, self.engine.load(), events.stored, events.removed)
 
 
-def _resolve(future: asyncio.Future, value: object) -> None:
-    """Complete an actor-side future from the loop thread."""
-
-    def settle() -> None:
-        if not future.done():
-            future.set_result(value)
-
-    future.get_loop().call_soon_threadsafe(settle)
+def _put(job: _Job, item: FirstToken | PrefillResult) -> None:
+    """Hand a job's message to its `prefill` stream, from the loop thread."""
+    job.actor_loop.call_soon_threadsafe(job.outbox.put_nowait, item)

@@ -68,6 +68,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "declared dead, killed and replaced")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish")
+    p.add_argument("--placement", choices=["joint", "separate"], default="joint",
+                   help="joint: each request goes to the (prefill, decode) pair with the lowest estimated time "
+                        "until it decodes (measured prefill rates, per-pair link rates, decode steps), or is "
+                        "prefilled by its decode worker when its uncached part is short; separate: the prefill "
+                        "worker by prefix and load, then the decode worker by node and free blocks")
+    p.add_argument("--local-prefill", action="store_true",
+                   help="conditional disaggregation: joint placement may prefill a prompt on its decode worker "
+                        "(no transfer, no prefill queue) when that is cheaper and stalls the worker's running "
+                        "streams for less than it saves (router.placement.choose_path)")
     p.add_argument("--verify-kv-moves", action="store_true",
                    help="check each drained sequence's KV at its destination against its source (SHA-256 of "
                         "both; costs a full read of the KV on each side)")
@@ -120,7 +129,8 @@ def serve_config(args: argparse.Namespace):
         max_queue=args.max_queue, admission_timeout_s=args.admission_timeout,
         max_queued_prefill_tokens=args.max_queued_prefill_tokens, migration_limit=args.migration_limit,
         worker_timeout=args.worker_timeout, shutdown_grace=args.shutdown_grace,
-        verify_kv_moves=args.verify_kv_moves, tls_cert=args.tls_cert,
+        verify_kv_moves=args.verify_kv_moves, placement=args.placement, local_prefill=args.local_prefill,
+        tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype)
 

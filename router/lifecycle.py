@@ -134,6 +134,14 @@ class Attempt:
     flow_task: asyncio.Task | None = None
     created: float = field(default_factory=time.time)  # waits for room or a live worker count from here
 
+    def forget_placement(self) -> None:
+        """The workers tried during placement hold nothing for this attempt (any more): start afresh."""
+        self.prefill = self.decode = None
+        self.lost_notice = None
+        self.lost.clear()
+        self.queue = asyncio.Queue()
+        self.held = None
+
     def forget_decode(self) -> None:
         """The decode worker tried during placement holds nothing for this attempt (any more)."""
         self.decode = None
@@ -173,7 +181,8 @@ class RequestState:
     num_attempts: int = 0
     failures: list[AttemptFailed] = field(default_factory=list)
     # of the attempt that produced the first token (what metrics and the response report)
-    pool: str = ""  # the pool whose TTFT this is: "prefill" or "colocated"
+    pool: str = ""  # the pool whose TTFT this is: "prefill", "decode" (prefilled locally) or "colocated"
+    placement: str = ""  # "remote" (prefill pool + KV transfer), "local" (its decode worker) or "colocated"
     prefill_worker: str = ""
     decode_worker: str = ""
     num_cached_tokens: int = 0

@@ -56,6 +56,7 @@ OUTCOMES = ("stop", "length", "cancelled", "error")  # what `on_end` is told; th
 # router.lifecycle.Cause's values (kept as strings: the metrics need nothing else of the lifecycle)
 MIGRATION_CAUSES = ("prefill_lost", "decode_lost", "kv_transfer", "reservation", "worker_error", "drain")
 MIGRATION_METHODS = ("kv", "recompute")
+PLACEMENT_PATHS = ("remote", "local")
 # the largest token gap a migrated stream shows: a KV move's ~0.1 s up to a long prompt's recompute
 PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -129,6 +130,10 @@ class Metrics(RequestObserver):
                                       "between decode workers (drains).", ["model", "src", "dst"], registry=r)
         self.kv_move_failures = Counter("pdserve_kv_move_failures_total", "KV moves that failed (the "
                                         "sequence recomputed instead).", ["model", "src", "dst"], registry=r)
+        self.placements = Counter(
+            "pdserve_placement_total", "Disaggregated attempts by path: remote (prefill pool, KV shipped to the "
+            "decode worker) or local (a short uncached prompt prefilled by its decode worker).",
+            ["model", "path"], registry=r)
         self.workers_lost = Counter(
             "pdserve_workers_lost_total", "Workers that died or were declared dead (stuck, unreachable), by "
             "pool.", ["model", "pool"], registry=r)
@@ -146,6 +151,8 @@ class Metrics(RequestObserver):
                 self.migrations.labels(model, cause, method)
         for method in MIGRATION_METHODS:
             self.migration_pause.labels(model, method)
+        for path in PLACEMENT_PATHS:
+            self.placements.labels(model, path)
         self._streams: dict[str, _Stream] = {}
         self._prompt: dict[str, tuple[int, int]] = {}  # prefill worker -> (prompt tokens, cached tokens)
         self._workers: dict[str, set[str]] = {PoolKind.PREFILL.value: set(), PoolKind.DECODE.value: set()}
@@ -242,6 +249,9 @@ class Metrics(RequestObserver):
 
     def on_migration(self, state: RequestState, cause: str, method: str) -> None:
         self.migrations.labels(self.model, cause, method).inc()
+
+    def on_placement(self, path: str) -> None:
+        self.placements.labels(self.model, path).inc()
 
     def on_migration_pause(self, method: str, seconds: float) -> None:
         self.migration_pause.labels(self.model, method).observe(max(seconds, 0.0))

@@ -40,6 +40,10 @@ class RequestObserver:
     def on_kv_move(self, src: str, dst: str, result: KVMoveResult) -> None:
         """A drained sequence's KV move from decode worker `src` to `dst` ended."""
 
+    def on_placement(self, path: str) -> None:
+        """A disaggregated attempt was placed: `path` is "remote" (prefill pool + KV transfer) or "local"
+        (prefilled by its decode worker)."""
+
     def on_pool_size(self, pool: str, live: int, target: int) -> None:
         """A pool's live workers against its target size (refreshed on every liveness tick)."""
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.block_hash import BlockHash
+from router.cost_model import CostModel
 from router.prefix_index import PrefixIndex
 
 
@@ -136,3 +137,67 @@ def choose_decode(prefill_node: str, blocks_needed: int, workers: Sequence[Worke
     same_node = [w for w in roomy if w.node_id == prefill_node]
     best = min(same_node or roomy, key=lambda w: (-w.free_blocks, w.num_running, w.worker_id))
     return best.worker_id
+
+
+class Path(str, enum.Enum):
+    """How a request reaches its decode worker (the `path` label of the placement metric)."""
+
+    REMOTE = "remote"  # prefilled on a prefill worker, its KV shipped to the decode worker
+    LOCAL = "local"  # prefilled by the decode worker itself: no transfer, no prefill queue
+
+
+class PathChoice(NamedTuple):
+    path: Path
+    prefill: str | None  # the prefill worker (None: local)
+    decode: str
+    estimate_s: float  # the cost model's estimate of the time until the request decodes
+    prefill_cached_blocks: int  # prompt blocks the prefill worker (local: the decode worker) has cached
+
+
+def choose_path(hashes: Sequence[BlockHash], num_prompt_tokens: int, block_size: int,
+                prefills: Sequence[WorkerLoad], decodes: Sequence[WorkerLoad], index: PrefixIndex,
+                cost: CostModel, blocks_needed: int, local: bool = True) -> list[PathChoice]:
+    """Every feasible placement of a prompt, cheapest first, by the cost model's estimate of the time until
+    it decodes:
+
+        remote (P, D): prefill on P (its queue + the prompt tokens P has not cached)
+                       + ship the KV D has not cached over the P -> D link (measured per pair)
+                       + one decode step of D
+        local (D):     prefill on D itself (its queue + the tokens D has not cached) + one decode step of D
+
+    A local prefill stalls D's running streams for as long as it computes, so it is offered only when that
+    stall is at most one of D's decode steps (a short uncached part: `CostModel.local_budget_tokens`), or
+    when the stall summed over D's running streams is less than the time it saves this request against
+    its best remote option (a prefill pool backed up behind long prompts). Both sides of that trade are
+    measured, so the threshold moves with the hardware and the load, not with a constant.
+
+    Only decode workers with `blocks_needed` free blocks are feasible; none: an empty list (the router
+    queues the request). Ties go to the local path, then to fewer running sequences, then to worker ids.
+    """
+    usable = hashes[:usable_prefix_blocks(num_prompt_tokens, block_size)]
+    matched = index.match_all(usable)
+    options: list[tuple[tuple, PathChoice]] = []
+    for d in decodes:
+        if not (d.alive and d.pool.decodes and d.free_blocks >= blocks_needed):
+            continue
+        on_d = matched.get(d.worker_id, 0)
+        uncached_on_d = num_prompt_tokens - on_d * block_size
+        admit = cost.step_time(d.worker_id)
+        best_remote = float("inf")
+        for p in prefills:
+            if not (p.alive and p.pool.prefills):
+                continue
+            on_p = matched.get(p.worker_id, 0)
+            est = (cost.prefill_s(p.worker_id, p.queued_prefill_tokens, num_prompt_tokens - on_p * block_size)
+                   + cost.transfer_s(p.worker_id, d.worker_id, p.node_id == d.node_id, uncached_on_d) + admit)
+            best_remote = min(best_remote, est)
+            options.append(((est, 1, p.num_running + d.num_running, p.worker_id, d.worker_id),
+                            PathChoice(Path.REMOTE, p.worker_id, d.worker_id, est, on_p)))
+        if not local:
+            continue
+        stall = cost.prefill_s(d.worker_id, 0, uncached_on_d)
+        est = cost.prefill_s(d.worker_id, d.queued_prefill_tokens, uncached_on_d) + admit
+        if stall <= admit or stall * max(1, d.num_running) < best_remote - est:
+            options.append(((est, 0, d.num_running, "", d.worker_id),
+                            PathChoice(Path.LOCAL, None, d.worker_id, est, on_d)))
+    return [choice for _, choice in sorted(options, key=lambda o: o[0])]

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import hash_blocks
 from engine.config import cdiv
-from engine.messages import KVMoveResult, LoadReport, Reservation, TokenDelta
+from engine.messages import FirstToken, KVMoveResult, LoadReport, PrefillResult, Reservation, TokenDelta
+from router.cost_model import CostModel
 from router.lifecycle import (
     Attempt,
     AttemptFailed,
@@ -56,7 +57,15 @@ from router.lifecycle import (
     WorkerLostNotice,
 )
 from router.observer import RequestObserver
-from router.placement import PoolKind, PrefillChoice, RoundRobinPrefill, choose_decode, choose_prefill
+from router.placement import (
+    Path,
+    PoolKind,
+    PrefillChoice,
+    RoundRobinPrefill,
+    choose_decode,
+    choose_path,
+    choose_prefill,
+)
 from router.pool import Worker, WorkerRegistry
 from router.prefix_index import PrefixIndex
 from router.validation import ValidatedRequest
@@ -112,6 +121,13 @@ class RouterConfig:
     # backpressure: a stream with this many undelivered decode steps is paused on its decode worker, and
     # resumed once the client has read it down to a quarter of that
     max_buffered_steps: int = 64
+    # "joint": the (prefill, decode) pair -- or the decode worker alone for a short uncached prompt -- with the
+    # lowest estimated time until the request decodes (router.cost_model); "separate": the prefill worker by
+    # prefix and load, then a decode worker for it by node and free blocks (the baseline)
+    placement: str = "joint"
+    # joint placement may prefill a prompt on its decode worker when that is cheaper (off by default: it trades
+    # the decode worker's streams' ITL for the request's TTFT, which the operator must choose to do)
+    local_prefill: bool = False
     kv_move_timeout_s: float = 60.0  # a drain's KV move (reserve, push every layer, start) must end in this
     # compare a SHA-256 of every moved sequence's KV at the source and the destination before decoding on
     # (a full read of its KV on both: a debugging and proof aid, off in production)
@@ -120,6 +136,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in ("prefix", "round-robin"):
             raise ValueError(f"routing policy must be 'prefix' or 'round-robin', got {self.policy!r}")
+        if self.placement not in ("joint", "separate"):
+            raise ValueError(f"--placement must be 'joint' or 'separate', got {self.placement!r}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.migration_limit < 0:
@@ -150,6 +168,8 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         self.observer = observer or RequestObserver()
         self.kv_moves: collections.deque[KVMove] = collections.deque(maxlen=1024)
+        self.cost = CostModel(bytes_per_token=0)  # learns the KV bytes per token from the first worker
+        self._aborts: dict[str, set[asyncio.Task]] = {}  # by worker id: aborts sent, not yet answered
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -176,13 +196,15 @@ class Router:
     def apply_report(self, worker: Worker, report: LoadReport) -> None:
         worker.apply(report)
         self.observer.on_report(worker, report)
-        if worker.kind.prefills:
-            self.index.apply(worker.worker_id, report.stored, report.removed)
+        # NOTE: decode workers' caches too: a prompt whose prefix a decode worker holds may prefill there
+        self.index.apply(worker.worker_id, report.stored, report.removed)
         self._room.set()
 
     # -- workers joining and leaving --------------------------------------------------------------------
 
     def _on_worker_added(self, worker: Worker) -> None:
+        if worker.info.kv_bytes_per_token:
+            self.cost.bytes_per_token = worker.info.kv_bytes_per_token
         if worker.kind.decodes:
             self._spawn(self._consume_steps(worker))
         self._room.set()
@@ -190,6 +212,7 @@ class Router:
     def _on_worker_lost(self, worker: Worker, why: str) -> None:
         """Never place on it again; the attempts that depend on it now fail (and migrate)."""
         self.index.remove_worker(worker.worker_id)
+        self.cost.forget(worker.worker_id)
         self.observer.on_worker_lost(worker)
         notice = WorkerLostNotice(worker.worker_id, why)
         for att in list(self._attempts.values()):
@@ -308,7 +331,7 @@ class Router:
             return  # the workers ended it themselves (finished), and the reservation was released
         for worker in {att.prefill, att.decode} - {None}:
             if worker.alive:
-                self._spawn(self._abort(worker, att.key))
+                self._abort_soon(worker, att.key)
         self._room.set()
 
     async def _colocated(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
@@ -317,11 +340,21 @@ class Router:
         # the prompt and its first token must fit one worker's cache (else every attempt would fail alike)
         self._check_fits(cdiv(len(att.prompt) + 1, self.block_size), [worker], "colocated")
         att.prefill = att.decode = worker
+        async with contextlib.aclosing(self._local(state, att)) as events:
+            async for event in events:
+                yield event
+
+    async def _local(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
+        """One worker prefills and decodes the attempt: a colocated worker, or a decode worker given a prompt
+        short enough to prefill itself (no prefill queue, no KV transfer)."""
+        worker = att.decode
         state.to(Phase.PREFILLING)
         first_attempt = not state.generated
         if first_attempt:
-            state.pool = PoolKind.COLOCATED.value
+            state.pool = worker.kind.value
+            state.placement = "local" if worker.kind is PoolKind.DECODE else "colocated"
         state.prefill_worker = state.decode_worker = worker.worker_id
+        submitted = time.time()
         try:
             await worker.client.submit(att.key, att.prompt, att.params, self.config.call_timeout_s)
         except WorkerError as e:
@@ -329,9 +362,11 @@ class Router:
         while True:
             delta = await self._next_delta(att, worker)
             if state.phase is Phase.PREFILLING:
+                now = time.time()
                 if first_attempt:
-                    state.timing.queue = time.time() - state.arrival  # the engine queues and prefills in one
+                    state.timing.queue = now - state.arrival  # the engine queues and prefills in one
                     state.num_cached_tokens = delta.num_cached_tokens
+                self.cost.observe_prefill(worker.worker_id, len(att.prompt) - delta.num_cached_tokens, now - submitted)
                 state.to(Phase.DECODING)
             att.num_output += len(delta.token_ids)
             yield RouterEvent(list(delta.token_ids), delta.finish_reason, first=not state.generated)
@@ -340,53 +375,82 @@ class Router:
             self._check_move(att)
 
     async def _disaggregated(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
-        choice = await self._choose_prefill(att)
-        prefill = att.prefill = self.workers[choice.worker_id]
-        # NOTE: counted from the moment of choice, so a burst of requests placed together spreads out
-        att.prefill_tokens = len(att.prompt) - choice.cached_blocks * self.block_size
-        prefill.inflight_prefill_tokens += att.prefill_tokens
+        path = await self._place(att)
+        self.observer.on_placement(path.value)
+        inner = self._local(state, att) if path is Path.LOCAL else self._remote(state, att)
+        async with contextlib.aclosing(inner) as events:
+            async for event in events:
+                yield event
+
+    async def _remote(self, state: RequestState, att: Attempt) -> AsyncIterator[RouterEvent]:
+        """The prefill worker computes the prompt and ships its KV to the decode worker reserved for it
+        (`_place` chose both and counted the prompt in the prefill worker's queue)."""
+        prefill, decode = att.prefill, att.decode
+        queued = True
+        first = not state.generated
+        first_out: float | None = None
+        result: PrefillResult | None = None
         try:
-            att.decode, att.reservation = await self._reserve(att, prefill)
             state.to(Phase.PREFILLING)
-            result = await self._prefill(att, prefill)
+            async with contextlib.aclosing(self._prefill(att, prefill)) as items:
+                async for item in items:
+                    if isinstance(item, PrefillResult):
+                        result = item
+                        continue
+                    prefill.inflight_prefill_tokens -= att.prefill_tokens
+                    queued = False
+                    self.cost.observe_prefill(prefill.worker_id, len(att.prompt) - item.num_cached_tokens,
+                                              item.sampled_at - item.scheduled_at)
+                    if first:
+                        t = state.timing
+                        t.queue, t.prefill = item.scheduled_at - state.arrival, item.sampled_at - item.scheduled_at
+                        state.pool = PoolKind.PREFILL.value
+                        state.placement = "remote"
+                        state.num_cached_tokens = item.num_cached_tokens
+                    state.prefill_worker, state.decode_worker = prefill.worker_id, decode.worker_id
+                    att.num_output = 1
+                    if item.finish_reason is not None:  # the first token ends it: free both sides
+                        for worker in (decode, prefill):
+                            self._abort_soon(worker, att.key)
+                        yield RouterEvent([item.token], item.finish_reason, first=first)
+                        return
+                    # NOTE: the first token goes out the moment it is sampled, before the KV has landed; the
+                    # decode worker admits the sequence once both are in. Should the transfer fail, the next
+                    # attempt starts from prompt + this token, so the client never sees it twice.
+                    start = asyncio.ensure_future(decode.client.start(att.key, item.token, self.config.call_timeout_s))
+                    first_out = time.time()
+                    try:
+                        yield RouterEvent([item.token], None, first=first)
+                    finally:
+                        if not start.done():  # the stream ends here (cancelled): let the call finish or fail
+                            start.add_done_callback(lambda f: f.cancelled() or f.exception())
+                    try:
+                        started = await start
+                    except WorkerError as e:
+                        raise self._call_failed(decode, e, Cause.DECODE_LOST) from e
+                    if not started:
+                        raise AttemptFailed(Cause.RESERVATION, decode.worker_id,
+                                            "the reservation lapsed before decoding")
         finally:
-            prefill.inflight_prefill_tokens -= att.prefill_tokens
-        decode = att.decode
+            if queued:
+                prefill.inflight_prefill_tokens -= att.prefill_tokens
+        if result is None:
+            raise AttemptFailed(Cause.WORKER_ERROR, prefill.worker_id, "the prefill stream ended without an outcome")
         if result.report is not None and prefill.alive:
             self.apply_report(prefill, result.report)
         if result.kv_bytes or result.kv_failed:
             self.observer.on_kv_transfer(prefill.worker_id, decode.worker_id, result.kv_seconds,
                                          result.kv_bytes, result.ok)
+            if result.ok:
+                self.cost.observe_transfer(prefill.worker_id, decode.worker_id, result.kv_bytes, result.kv_seconds)
         if not result.ok:
             if att.lost_notice is not None:  # the decode worker died under the transfer
                 raise AttemptFailed(Cause.DECODE_LOST, att.lost_notice.worker_id, att.lost_notice.reason)
             cause = Cause.KV_TRANSFER if result.kv_failed else Cause.WORKER_ERROR
             raise AttemptFailed(cause, prefill.worker_id, result.error or "prefill failed")
-        first = not state.generated
         if first:
-            t = state.timing
-            t.queue = result.scheduled_at - state.arrival
-            t.prefill = result.sampled_at - result.scheduled_at
-            t.kv_transfer = result.kv_done_at - result.sampled_at
-            state.pool = PoolKind.PREFILL.value
-            state.num_cached_tokens = result.num_cached_tokens
-        state.prefill_worker, state.decode_worker = prefill.worker_id, decode.worker_id
-        if result.finish_reason is not None:  # the first token ends it: release the reservation
-            self._spawn(self._abort(decode, att.key))
-            yield RouterEvent([result.first_token], result.finish_reason, first=first)
-            return
-        # NOTE: `start` before the token reaches the client: if the reservation lapsed, the next attempt
-        # begins from the same place and the client never sees this token twice.
-        try:
-            started = await decode.client.start(att.key, result.first_token, self.config.call_timeout_s)
-        except WorkerError as e:
-            raise self._call_failed(decode, e, Cause.DECODE_LOST) from e
-        if not started:
-            raise AttemptFailed(Cause.RESERVATION, decode.worker_id, "the reservation lapsed before decoding")
+            state.timing.kv_transfer = result.kv_done_at - result.sampled_at
         state.to(Phase.DECODING)
-        first_out = time.time()
-        att.num_output = 1
-        yield RouterEvent([result.first_token], None, first=first)
         self._check_move(att)
         async with contextlib.aclosing(self._decode(state, att, decode, first_out if first else None)) as events:
             async for event in events:
@@ -413,26 +477,123 @@ class Router:
         if att.move is not None and att.num_output >= att.move.num_tokens:
             raise AttemptFailed(Cause.DRAIN, att.move.worker_id, f"drained ({att.move.method.value} move)")
 
-    async def _prefill(self, att: Attempt, prefill: Worker):
-        """The prefill call, abandoned as soon as either of the attempt's workers is lost."""
-        call = asyncio.ensure_future(prefill.client.prefill(att.key, att.prompt, att.params, att.reservation))
+    async def _prefill(self, att: Attempt, prefill: Worker) -> AsyncIterator[FirstToken | PrefillResult]:
+        """The prefill stream's items (the first token, then the outcome), abandoned as soon as either of the
+        attempt's workers is lost."""
+        items = aiter(prefill.client.prefill(att.key, att.prompt, att.params, att.reservation))
         lost = asyncio.ensure_future(att.lost.wait())
         try:
-            await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                nxt = asyncio.ensure_future(anext(items))
+                await asyncio.wait({nxt, lost}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    n = att.lost_notice
+                    cause = Cause.PREFILL_LOST if n.worker_id == prefill.worker_id else Cause.DECODE_LOST
+                    raise AttemptFailed(cause, n.worker_id, n.reason)
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                except WorkerError as e:
+                    raise self._call_failed(prefill, e, Cause.PREFILL_LOST) from e
+                yield item
         finally:
             lost.cancel()
-            if not call.done():
-                call.cancel()
-        if call.cancelled() or not call.done():
-            n = att.lost_notice
-            cause = Cause.PREFILL_LOST if n.worker_id == prefill.worker_id else Cause.DECODE_LOST
-            raise AttemptFailed(cause, n.worker_id, n.reason)
-        try:
-            return call.result()
-        except WorkerError as e:
-            raise self._call_failed(prefill, e, Cause.PREFILL_LOST) from e
+            with contextlib.suppress(Exception):
+                await items.aclose()
 
     # -- placement and admission ------------------------------------------------------------------------
+
+    async def _place(self, att: Attempt) -> Path:
+        """Choose where the attempt prefills and decodes, and hold what it needs there: the prefill worker
+        (its queue counts the prompt from here) and a reservation on the decode worker, or, on the local
+        path, just the decode worker (which prefills the prompt itself)."""
+        if self.config.placement == "separate":  # prefill worker first, then a decode worker for it
+            choice = await self._choose_prefill(att)
+            prefill = self._take_prefill(att, self.workers[choice.worker_id], choice.cached_blocks)
+            try:
+                att.decode, att.reservation = await self._reserve(att, prefill)
+            except BaseException:
+                prefill.inflight_prefill_tokens -= att.prefill_tokens
+                raise
+            return Path.REMOTE
+        return await self._place_jointly(att)
+
+    def _take_prefill(self, att: Attempt, prefill: Worker, cached_blocks: int) -> Worker:
+        att.prefill = prefill
+        # NOTE: counted from the moment of choice, so a burst of requests placed together spreads out
+        att.prefill_tokens = len(att.prompt) - cached_blocks * self.block_size
+        prefill.inflight_prefill_tokens += att.prefill_tokens
+        return prefill
+
+    async def _place_jointly(self, att: Attempt) -> Path:
+        """The cheapest (prefill, decode) pair, or the decode worker alone, by the cost model
+        (`placement.choose_path`), trying the next option when a decode worker turns out to be full, and
+        waiting in the admission queue when none has room."""
+        n, bs = len(att.prompt), self.block_size
+        need = cdiv(n, bs)
+        hashes = hash_blocks(att.prompt, bs)
+        deadline = att.created + self.config.admission_timeout_s
+        while True:
+            prefills = self.registry.schedulable(PoolKind.PREFILL)
+            decoders = self.registry.schedulable(PoolKind.DECODE)
+            if not prefills or not decoders:
+                missing = "prefill" if not prefills else "decode"
+                await self._wait_room(deadline, "UNAVAILABLE", f"no live {missing} worker: the {missing} pool is "
+                                      "being replaced; check its workers' logs")
+                continue
+            self._check_fits(need, decoders, "decode")
+            limit = self.config.max_queued_prefill_tokens
+            open_ = [ld for ld in (w.snapshot() for w in prefills)
+                     if ld.queued_prefill_tokens == 0 or ld.queued_prefill_tokens + n <= limit]
+            options = choose_path(hashes, n, bs, open_, [w.snapshot() for w in decoders], self.index, self.cost,
+                                  need, local=self.config.local_prefill)
+            if not open_ and not options:
+                raise RouterError("RESOURCE_EXHAUSTED", f"every prefill worker has more than {limit} prompt "
+                                  "tokens queued (--max-queued-prefill-tokens); retry later")
+            full: set[str] = set()
+            for opt in options:
+                if opt.decode in full:
+                    continue
+                decode = att.decode = self.workers[opt.decode]
+                # NOTE: counted from the moment of choice until its next report, so a burst spreads out
+                decode.load = dataclasses.replace(decode.load, num_running=decode.load.num_running + 1,
+                                                  free_blocks=max(0, decode.load.free_blocks - need))
+                if opt.path is Path.LOCAL:
+                    att.prefill = decode
+                    return Path.LOCAL
+                prefill = self._take_prefill(att, self.workers[opt.prefill], opt.prefill_cached_blocks)
+                try:
+                    reservation = await decode.client.reserve(att.key, att.prompt, att.params, prefill.worker_id,
+                                                              self.config.call_timeout_s)
+                except WorkerError as e:
+                    self._call_failed(decode, e, Cause.DECODE_LOST)
+                    self._abort_soon(decode, att.key)  # it may have reserved before timing out
+                    reservation = None
+                    logger.warning("reserve on %s failed: %s", decode.worker_id, e)
+                except BaseException:
+                    prefill.inflight_prefill_tokens -= att.prefill_tokens
+                    raise
+                if reservation is not None and decode.alive and prefill.alive:
+                    att.reservation = reservation
+                    return Path.REMOTE
+                prefill.inflight_prefill_tokens -= att.prefill_tokens
+                if reservation is not None:  # one of the two was lost during the call
+                    self._abort_soon(decode, att.key)
+                else:
+                    decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
+                full.add(decode.worker_id)
+                att.forget_placement()
+            if self.num_queued >= self.config.max_queue:
+                raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
+                                  f"the admission queue is full ({self.config.max_queue} waiting); retry later")
+            self.num_queued += 1
+            try:
+                await self._wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV "
+                                      f"blocks within {self.config.admission_timeout_s:.0f}s; retry later")
+            finally:
+                self.num_queued -= 1
 
     async def _choose_prefill(self, att: Attempt) -> PrefillChoice:
         """A live prefill (or colocated) worker for the attempt's prompt, waiting for one while none is alive."""
@@ -487,14 +648,14 @@ class Router:
                                                               prefill.worker_id, self.config.call_timeout_s)
                 except WorkerError as e:
                     self._call_failed(decode, e, Cause.DECODE_LOST)
-                    self._spawn(self._abort(decode, att.key))  # it may have reserved before timing out
+                    self._abort_soon(decode, att.key)  # it may have reserved before timing out
                     att.forget_decode()
                     logger.warning("reserve on %s failed: %s", wid, e)
                     continue
                 if reservation is not None and decode.alive and prefill.alive:
                     return decode, reservation
                 if reservation is not None:  # one of the two was lost during the call
-                    self._spawn(self._abort(decode, att.key))
+                    self._abort_soon(decode, att.key)
                 else:
                     decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
                 att.forget_decode()
@@ -534,8 +695,13 @@ class Router:
 
     async def _consume_steps(self, worker: Worker) -> None:
         """Fan one decode worker's per-step messages out to its attempts, for as long as it lives."""
+        last = None  # the previous step's output: back-to-back steps time the worker's decode step
         try:
             async for out in worker.client.steps():
+                if out.step and last is not None and out.step == last.step + 1 and last.load is not None \
+                        and last.load.num_running:
+                    self.cost.observe_step(worker.worker_id, out.time - last.time)
+                last = out if out.step else last
                 if out.load is not None:
                     self.apply_report(worker, LoadReport(worker.worker_id, out.load))
                 for delta in out.deltas:
@@ -620,6 +786,13 @@ class Router:
             cause = Cause.WORKER_ERROR
         return AttemptFailed(cause, worker.worker_id, e.reason)
 
+    def _abort_soon(self, worker: Worker, key: str) -> None:
+        """Tell `worker` to free what it holds for `key`, in the background (a drain waits for these)."""
+        task = self._spawn(self._abort(worker, key))
+        pending = self._aborts.setdefault(worker.worker_id, set())
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
     async def _abort(self, worker: Worker, key: str) -> None:
         if not worker.alive:
             return
@@ -655,16 +828,33 @@ class Router:
             method = Method.RECOMPUTE  # colocated workers have no KV transport: their sequences recompute
         deadline = time.monotonic() + timeout_s
         logger.info("draining %s (%s moves)", worker.worker_id, method.value)
+        warmed: set[str] = set()
         while worker.alive and self.holds_work(worker):
             if time.monotonic() > deadline:
                 return False
             if self.registry.schedulable(worker.kind):  # somewhere to go (a rolling restart's new worker)
+                if method is Method.KV:
+                    await self._warm_links(worker, warmed)
                 for att in list(self._attempts.values()):
                     if att.decode is worker and att.phase is Phase.DECODING and not att.moving:
                         att.moving = True
                         self._spawn(self._hold(att, worker, method))
             await asyncio.sleep(0.05)
+        # NOTE: the attempts that left it sent their aborts in the background: it holds nothing once answered
+        await asyncio.gather(*self._aborts.get(worker.worker_id, ()), return_exceptions=True)
         return worker.alive
+
+    async def _warm_links(self, worker: Worker, warmed: set[str]) -> None:
+        """Have a drained decode worker open its KV links to the others before anything moves (best effort:
+        a move opens its link itself when this fails)."""
+        peers = [w for w in self.registry.schedulable(PoolKind.DECODE) if w.worker_id not in warmed]
+        if not peers:
+            return
+        warmed.update(w.worker_id for w in peers)
+        try:
+            await worker.client.connect([w.info.kv_address for w in peers], self.config.call_timeout_s)
+        except WorkerError as e:
+            logger.warning("%s could not open KV links ahead of its moves: %s", worker.worker_id, e)
 
     async def _hold(self, att: Attempt, worker: Worker, method: Method) -> None:
         """Hold a drained worker's sequence, then tell its attempt how many tokens to deliver before moving."""

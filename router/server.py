@@ -67,6 +67,8 @@ class ServeConfig:
     worker_timeout: float = 10.0  # no heartbeat, or no engine progress with work to do, this long: dead
     shutdown_grace: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     verify_kv_moves: bool = False  # check every drained sequence's moved KV against its source (SHA-256)
+    placement: str = "joint"  # "joint": the (prefill, decode) pair or the decode worker alone, by cost
+    local_prefill: bool = False  # joint placement may prefill a prompt on its decode worker when cheaper
     metrics_port: int | None = 9400  # Prometheus /metrics; None -> no metrics endpoint, 0 -> any free port
     metrics_host: str | None = None  # where /metrics binds; None -> --host (scrape it from inside only)
     http_port: int | None = None  # the OpenAI-compatible HTTP door; None -> off, 0 -> any free port
@@ -135,7 +137,8 @@ class ServeConfig:
     def router_config(self) -> RouterConfig:
         return RouterConfig(self.block_size, self.routing, self.max_queue, self.admission_timeout_s,
                             self.max_queued_prefill_tokens, self.migration_limit,
-                            call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves)
+                            call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves,
+                            placement=self.placement, local_prefill=self.local_prefill)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:

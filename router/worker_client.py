@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.messages import (
     EngineLoad,
+    FirstToken,
     Heartbeat,
     KVMoveResult,
     LoadReport,
@@ -73,9 +74,10 @@ class WorkerClient(ABC):
         """Renew these reservations' leases; returns the keys no longer reserved."""
 
     @abstractmethod
-    async def prefill(self, key: str, prompt: list[int], params: SamplingParams,
-                      reservation: Reservation) -> PrefillResult:
-        """No timeout: a long prompt takes what it takes; liveness watches the worker meanwhile."""
+    def prefill(self, key: str, prompt: list[int], params: SamplingParams,
+                reservation: Reservation) -> AsyncIterator[FirstToken | PrefillResult]:
+        """The first token as soon as it is sampled, then the outcome once the KV landed (a failure: only
+        the outcome). No timeout: a long prompt takes what it takes; liveness watches the worker meanwhile."""
 
     @abstractmethod
     async def start(self, key: str, first_token: int, timeout: float) -> bool: ...
@@ -97,6 +99,11 @@ class WorkerClient(ABC):
     async def hold(self, key: str, timeout: float) -> int | None:
         """Drain: take the decoding attempt out of the batch for good; the tokens it produced there, or
         None when it is not decoding (see `DecodeWorker.hold`)."""
+
+    @abstractmethod
+    async def connect(self, peers: list, timeout: float) -> None:
+        """Drain: open KV links to these decode workers' receivers (their `WorkerInfo.kv_address`) ahead of
+        the moves, so the first one does not wait for a link."""
 
     @abstractmethod
     async def send_kv(self, key: str, dst_key: str, reservation: Reservation, timeout: float) -> KVMoveResult:
@@ -156,7 +163,9 @@ class RayWorkerClient(WorkerClient):
         return await self._call(self.actor.renew.remote(keys), timeout)
 
     async def prefill(self, key, prompt, params, reservation):
-        return await self._call(self.actor.prefill.remote(key, prompt, params, reservation), None)
+        async for item in self._stream(self.actor.prefill.options(num_returns="streaming").remote(
+                key, prompt, params, reservation), "prefill"):
+            yield item
 
     async def start(self, key: str, first_token: int, timeout: float) -> bool:
         return await self._call(self.actor.start.remote(key, first_token), timeout)
@@ -176,6 +185,9 @@ class RayWorkerClient(WorkerClient):
     async def hold(self, key: str, timeout: float) -> int | None:
         return await self._call(self.actor.hold.remote(key), timeout)
 
+    async def connect(self, peers: list, timeout: float) -> None:
+        await self._call(self.actor.connect.remote(peers), timeout)
+
     async def send_kv(self, key: str, dst_key: str, reservation: Reservation, timeout: float) -> KVMoveResult:
         return await self._call(self.actor.send_kv.remote(key, dst_key, reservation), timeout)
 
@@ -183,18 +195,23 @@ class RayWorkerClient(WorkerClient):
         return await self._call(self.actor.kv_digest.remote(key, num_tokens), timeout)
 
     async def steps(self) -> AsyncIterator[StepOutput]:
+        async for out in self._stream(self.actor.stream_steps.options(num_returns="streaming").remote(), "step"):
+            yield out
+        raise WorkerError(self.worker_id, "step stream ended", Failure.ERROR)
+
+    async def _stream(self, refs, what: str) -> AsyncIterator[Any]:
+        """The items of a streaming actor call, with its failures as WorkerErrors."""
         import ray
 
         try:
-            async for ref in self.actor.stream_steps.options(num_returns="streaming").remote():
+            async for ref in refs:
                 yield await ref
         except ray.exceptions.ActorUnavailableError as e:  # a subclass of RayActorError: test it first
-            raise WorkerError(self.worker_id, f"step stream interrupted: {e}", Failure.UNAVAILABLE) from e
+            raise WorkerError(self.worker_id, f"{what} stream interrupted: {e}", Failure.UNAVAILABLE) from e
         except ray.exceptions.RayActorError as e:
-            raise WorkerError(self.worker_id, f"step stream ended: {e}", Failure.LOST) from e
+            raise WorkerError(self.worker_id, f"{what} stream ended: {e}", Failure.LOST) from e
         except ray.exceptions.RayError as e:
-            raise WorkerError(self.worker_id, f"step stream failed: {e}", Failure.ERROR) from e
-        raise WorkerError(self.worker_id, "step stream ended", Failure.ERROR)
+            raise WorkerError(self.worker_id, f"{what} stream failed: {e}", Failure.ERROR) from e
 
     async def shutdown(self, timeout: float) -> EngineLoad | None:
         return await self._call(self.actor.shutdown.remote(), timeout)

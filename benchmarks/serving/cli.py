@@ -38,7 +38,8 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
                         "server (http://HOST:PORT)")
     target.add_argument("--launch", nargs="+", metavar="LAYOUT",
                         help="start these layouts in turn and measure each: NpMd (N prefill + M decode workers) "
-                             "or Nc (N colocated), optionally :round-robin, e.g. 1p1d 2c 2p1d:round-robin")
+                             "or Nc (N colocated), optionally :round-robin, :separate (two-step placement) or "
+                             ":local (local prefill), e.g. 1p1d 2c 2p1d:round-robin 2p1d:local")
     p.add_argument("--workload", nargs="+", default=["chat"],
                    help="chat, rag, agent, burst, or a .jsonl file of {\"prompt_len\", \"output_len\"} lines")
     load = p.add_mutually_exclusive_group()

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-_SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin))?$")
+_SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin|separate|local))?$")
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,18 @@ class Layout:
     prefill_workers: int = 1
     decode_workers: int = 1
     colocated_workers: int = 0
-    routing: str = "prefix"  # the router's prefill placement policy
+    # the router's prefill placement policy ("prefix", "round-robin"), or: "separate" (prefix, then the decode
+    # worker by node and free blocks: the baseline of joint placement, the default), "local" (joint placement
+    # with local prefill on decode workers: conditional disaggregation)
+    routing: str = "prefix"
 
     @classmethod
     def parse(cls, spec: str) -> Layout:
         m = _SPEC.match(spec.strip().lower())
         if m is None:
             raise ValueError(f"layout {spec!r}: expected NpMd (N prefill + M decode workers) or Nc (N colocated "
-                             "workers), optionally followed by :prefix or :round-robin, e.g. 2p1d:round-robin")
+                             "workers), optionally followed by :prefix, :round-robin, :separate or :local, "
+                             "e.g. 2p1d:round-robin")
         routing = m["routing"] or "prefix"
         if m["c"] is not None:
             return cls(0, 0, int(m["c"]), routing)
@@ -58,14 +62,21 @@ class Layout:
             what = f"{self.colocated_workers} colocated worker{'s' if self.colocated_workers > 1 else ''}"
         else:
             what = f"{self.prefill_workers} prefill + {self.decode_workers} decode workers"
-        return f"{what}, {self.routing} routing"
+        if self.routing == "separate":
+            return f"{what}, prefix routing, then the decode worker by node and free blocks"
+        if self.routing == "local":
+            return f"{what}, joint placement with local prefill"
+        return f"{what}, {self.routing} routing" + ("" if self.colocated_workers else ", joint placement")
 
     def serve_config(self, **options: Any):
         """The `ServeConfig` of this layout; `options` are its other fields (model, worker_threads, ...)."""
         from router.server import ServeConfig
 
+        routing = "prefix" if self.routing in ("separate", "local") else self.routing
         return ServeConfig(prefill_workers=self.prefill_workers, decode_workers=self.decode_workers,
-                           colocated_workers=self.colocated_workers, routing=self.routing, **options)
+                           colocated_workers=self.colocated_workers, routing=routing,
+                           placement="separate" if self.routing == "separate" else "joint",
+                           local_prefill=self.routing == "local", **options)
 
 
 class LocalDeployment:

@@ -82,6 +82,12 @@ class OpenAIBackend:
                     if usage:
                         record.cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get(
                             "cached_tokens", 0) or 0
+                        # NOTE: a chunk is one step's tokens, but a router catching up on a slow stream merges
+                        # the steps already queued into one chunk: the server's own count is the truth, and
+                        # the uncounted tokens arrived no later than this
+                        missing = (usage.get("completion_tokens") or 0) - len(record.token_times)
+                        if missing > 0:
+                            record.on_message(now, missing)
             if record.done_at is None:
                 record.error = "stream ended without a finish_reason"
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:

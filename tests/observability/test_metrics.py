@@ -37,6 +37,7 @@ EXPECTED = {
     "pdserve_migration_pause_seconds": ("histogram", {"model", "method"}),
     "pdserve_kv_moved_bytes": ("counter", {"model", "src", "dst"}),
     "pdserve_kv_move_failures": ("counter", {"model", "src", "dst"}),
+    "pdserve_placement": ("counter", {"model", "path"}),
     "pdserve_workers_lost": ("counter", {"model", "pool"}),
     "pdserve_pool_live_workers": ("gauge", {"model", "pool"}),
     "pdserve_pool_target_workers": ("gauge", {"model", "pool"}),

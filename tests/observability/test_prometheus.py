@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from tests.observability.dashboard import load_dashboard, substitute, targets
 from tests.observability.prometheus import PROMETHEUS, Prometheus, wait_for
@@ -137,7 +138,24 @@ def load(deployment) -> Load:
     wait_for("the cancelled streams' ends in Prometheus",
              lambda: prom.scalar('sum(pdserve_requests_total{finish_reason="cancelled"})') == NUM_CANCELLED, 30)
     settle(prom, seen)
+    _scale_and_drain(server, prom)
     return Load(completed, seen, sorted(server.server.router.workers))
+
+
+def _scale_and_drain(server, prom: Prometheus) -> None:
+    """An operator's turn, after the counts above were taken: a second decode worker joins, then the one
+    decoding a long stream is drained, so its sequence moves with its KV (the elastic-pool panels' data)."""
+    admin_stub = admin_pb2_grpc.AdminStub(server.channel)
+    admin_stub.ScalePool(admin_pb2.ScalePoolRequest(pool=pb.POOL_KIND_DECODE, num_workers=2), timeout=300)
+    prom.wait_scraped_after(time.time() + 1.0)  # the new pair's zero series, before anything moves
+    call = server.stub.Generate(greedy_request(PREFIX[:20], 480, ignore_eos=True), timeout=120)
+    for n, _ in enumerate(call, 1):
+        if n == 2:
+            holder = next(w.worker_id for w in admin_stub.ListWorkers(admin_pb2.ListWorkersRequest()).workers
+                          if w.pool == pb.POOL_KIND_DECODE and w.num_running)
+            moved = admin_stub.DrainWorker(admin_pb2.DrainWorkerRequest(worker_id=holder), timeout=120)
+            assert moved.moved_kv == 1, moved
+    prom.wait_scraped_after(time.time())
 
 
 def test_ttft_and_itl_counts_equal_what_the_clients_saw(load):

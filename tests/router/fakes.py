@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from engine.config import cdiv
 from engine.messages import (
     EngineLoad,
+    FirstToken,
     Heartbeat,
     KVMoveResult,
     LoadReport,
@@ -63,6 +64,7 @@ class FakeWorker(WorkerClient):
         self.peers: dict[str, FakeWorker] = {}  # the cluster's workers, for KV moves
         self.moved_out: list[tuple[str, str]] = []  # (key, dst key) of every KV move sent
         self.fail_next_move = False
+        self.connected: list = []  # the peers a drain warmed links to
         self.flow: list[tuple[str, str]] = []  # ("pause" | "resume", key), in order
         self.dead = False
         self.killed = False
@@ -71,6 +73,8 @@ class FakeWorker(WorkerClient):
         self.prefill_gate = asyncio.Event()
         self.prefill_gate.set()  # cleared: prefills wait (a long prompt, a deep queue)
         self.prefill_started = asyncio.Event()
+        self.kv_gate = asyncio.Event()
+        self.kv_gate.set()  # cleared: the first token is out, the KV transfer takes its time
         self.reserve_gate = asyncio.Event()
         self.reserve_gate.set()  # cleared: reservations take their time
         self.fail_next_resume = False
@@ -91,6 +95,7 @@ class FakeWorker(WorkerClient):
         self.reserved.clear()
         self.running_gate.set()
         self.prefill_gate.set()
+        self.kv_gate.set()
         self._outbox.put_nowait(None)
 
     def stall(self) -> None:
@@ -115,8 +120,12 @@ class FakeWorker(WorkerClient):
         except asyncio.TimeoutError as e:
             raise WorkerError(self.worker_id, f"no answer within {timeout}s", Failure.TIMEOUT) from e
 
+    def describe(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.kind.value, self.node, "127.0.0.1", BLOCK, self.num_blocks,
+                          kv_address=self.worker_id)
+
     async def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.kind.value, self.node, "127.0.0.1", BLOCK, self.num_blocks)
+        return self.describe()
 
     async def ping(self, timeout: float) -> Heartbeat:
         await self._timed(self._enter(), timeout)
@@ -151,20 +160,28 @@ class FakeWorker(WorkerClient):
         self.renewed += keys
         return [k for k in keys if k not in self.reserved]
 
-    async def prefill(self, key, prompt, params: SamplingParams, reservation) -> PrefillResult:
+    async def prefill(self, key, prompt, params: SamplingParams, reservation):
         await self._enter()
         self.keys.append(key)
         self.held[key] = cdiv(len(prompt), BLOCK)
         self.prefill_started.set()
         await self.prefill_gate.wait()
         await self._enter()
-        self.held.pop(key, None)
         failure, self.fail_next_prefill = self.fail_next_prefill, None
-        if failure is not None:
-            return PrefillResult(key, None, None, 0, f"injected {failure} failure", kv_failed=failure == "kv")
+        if failure == "error":  # the step failed: no token
+            self.held.pop(key, None)
+            yield PrefillResult(key, None, None, 0, "injected error failure")
+            return
         token = next_token(prompt)
         finish = "length" if params.max_tokens == 1 else None
-        return PrefillResult(key, token, finish, 0, scheduled_at=1.0, sampled_at=1.0, kv_done_at=1.0)
+        yield FirstToken(key, token, finish, 0, scheduled_at=1.0, sampled_at=1.0)
+        await self.kv_gate.wait()  # the KV is still on its way
+        await self._enter()
+        self.held.pop(key, None)
+        if failure == "kv":
+            yield PrefillResult(key, None, None, 0, "injected kv failure", kv_failed=True)
+            return
+        yield PrefillResult(key, token, finish, 0, scheduled_at=1.0, sampled_at=1.0, kv_done_at=1.0)
 
     async def start(self, key, first_token, timeout):
         await self._timed(self._enter(), timeout)
@@ -182,7 +199,7 @@ class FakeWorker(WorkerClient):
     async def submit(self, key, prompt, params, timeout):
         await self._timed(self._enter(), timeout)
         self.keys.append(key)
-        self.held[key] = cdiv(len(prompt) + params.max_tokens, BLOCK)
+        self.held[key] = cdiv(len(prompt), BLOCK)
         self.running[key] = (list(prompt), params.max_tokens)
         self.produced[key] = 0
         self._ensure_loop()
@@ -215,6 +232,10 @@ class FakeWorker(WorkerClient):
         self.paused.add(key)
         self.held_keys.add(key)
         return self.produced[key]
+
+    async def connect(self, peers, timeout):
+        await self._timed(self._enter(), timeout)
+        self.connected += peers
 
     async def send_kv(self, key, dst_key, reservation, timeout):
         await self._timed(self._enter(), timeout)
@@ -295,6 +316,9 @@ class FakeCluster:
         config.setdefault("block_size", BLOCK)
         config.setdefault("admission_timeout_s", 5.0)
         config.setdefault("call_timeout_s", 1.0)
+        # NOTE: the lifecycle tests follow the remote path (prefill pool + KV transfer); test_path.py and the
+        # local-path tests turn local prefills on
+        config.setdefault("local_prefill", False)
         self.registry = WorkerRegistry()
         self.router = Router(RouterConfig(**config), self.registry)
         self.workers: dict[str, FakeWorker] = {}
@@ -306,8 +330,7 @@ class FakeCluster:
     def add(self, fake: FakeWorker) -> None:
         self.workers[fake.worker_id] = fake
         fake.peers = self.workers
-        info = WorkerInfo(fake.worker_id, fake.kind.value, fake.node, "127.0.0.1", BLOCK, fake.num_blocks)
-        self.registry.add(make_worker(info, fake, fake.kind))
+        self.registry.add(make_worker(fake.describe(), fake, fake.kind))
 
     def __getitem__(self, worker_id: str) -> FakeWorker:
         return self.workers[worker_id]

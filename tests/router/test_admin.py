@@ -31,8 +31,8 @@ class Deployment:
     def __init__(self, num_prefill: int = 1, num_decode: int = 1, start_s: float = 0.05) -> None:
         self.fakes: dict[str, FakeWorker] = {}
         self.registry = WorkerRegistry()
-        self.router = Router(RouterConfig(block_size=BLOCK, admission_timeout_s=10, call_timeout_s=1.0),
-                             self.registry)
+        self.router = Router(RouterConfig(block_size=BLOCK, admission_timeout_s=10, call_timeout_s=1.0,
+                                          local_prefill=False), self.registry)
         self.start_s = start_s
 
         async def launch(spec: PoolSpec, worker_id: str) -> FakeWorker:

@@ -60,6 +60,8 @@ async def _drain_under_load(c: FakeCluster, n: int, method: Method, max_tokens: 
     await _until(lambda: _decoding_on(c, "decode-0") == n)
     c.router.workers["decode-1"].draining = False
     drained = await c.router.drain_worker(c.router.workers["decode-0"], method)
+    # once the drain says so, the worker holds nothing: every attempt that left it has been aborted there
+    assert c["decode-0"].blocks_in_use == 0
     results = await asyncio.gather(*tasks)
     await c.settle()
     return prompts, results, drained
@@ -77,6 +79,7 @@ def test_a_drained_decode_worker_moves_every_sequence_with_its_kv():
             assert Phase.MIGRATING in state.history and Phase.QUEUED not in state.history[1:]
             assert not state.failures, "a drain is not a failure"
         assert len(c["decode-0"].moved_out) == 8
+        assert c["decode-0"].connected == ["decode-1"]  # its link was opened before the first move
         assert obs.migrations == [("drain", "kv")] * 8
         assert [m for m, _ in obs.pauses] == ["kv"] * 8
         moves = list(c.router.kv_moves)

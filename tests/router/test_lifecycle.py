@@ -166,11 +166,12 @@ def test_cancel_in_every_phase_frees_every_block(phase):
             c["prefill-0"].prefill_gate.clear()
         gen = c.router.generate(c.request("a", PROMPT, 200))
         task = asyncio.ensure_future(gen.__anext__())
-        while not c.router.requests or next(iter(c.router.requests.values())).phase < phase:
+        while not c.router.requests or next(iter(c.router.requests.values())).phase < min(phase, Phase.PREFILLING):
             await asyncio.sleep(0.001)
         state = next(iter(c.router.requests.values()))
         if phase is Phase.DECODING:
-            await task
+            await task  # the first token (out before the KV lands)
+            await gen.__anext__()  # the first decode step's
         else:  # the client goes away: gRPC cancels the handler's task mid-await
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
@@ -429,5 +430,41 @@ def test_a_loss_queued_behind_tokens_is_handled_after_them():
         async for event, _ in gen:
             tokens += event.token_ids
         assert tokens == reference(PROMPT, 60) and state.num_attempts == 2
+
+    run(go())
+
+
+def test_the_first_token_reaches_the_client_before_the_kv_lands():
+    async def go():
+        c = FakeCluster(1, 1)
+        c["prefill-0"].kv_gate.clear()  # the first token is sampled; its KV is still on the way
+        gen = c.router.generate(c.request("a", PROMPT, 6))
+        event, state = await asyncio.wait_for(gen.__anext__(), 5)
+        assert event.first and event.token_ids == reference(PROMPT, 1)
+        assert state.phase is Phase.PREFILLING and not c["decode-0"].running  # nothing decodes yet
+        c["prefill-0"].kv_gate.set()
+        tokens = list(event.token_ids)
+        async for event, _ in gen:
+            tokens += event.token_ids
+        assert tokens == reference(PROMPT, 6)
+        assert state.history == [Phase.QUEUED, Phase.PREFILLING, Phase.DECODING, Phase.FINISHED]
+
+    run(go())
+
+
+def test_a_kv_transfer_failing_after_the_first_token_went_out_continues_after_it():
+    async def go():
+        c = FakeCluster(1, 1)
+        c["prefill-0"].kv_gate.clear()
+        c["prefill-0"].fail_next_prefill = "kv"
+        task = asyncio.ensure_future(c.collect(c.request("a", PROMPT, 8)))
+        while not c.router.requests or not next(iter(c.router.requests.values())).generated:
+            await asyncio.sleep(0.001)
+        c["prefill-0"].kv_gate.set()
+        tokens, finish, state = await task
+        await c.settle()
+        assert tokens == reference(PROMPT, 8) and finish == "length"  # the first token once, then the rest
+        assert [f.cause.value for f in state.failures] == ["kv_transfer"]
+        assert c["prefill-0"].keys[1:] == [f"{state.id}.2"] and c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
 
     run(go())

@@ -128,6 +128,7 @@ CONTRACT: dict[str, dict[str, tuple[int, int, str, str | None]]] = {
         "prefill_seconds": (2, T.TYPE_DOUBLE, SINGULAR, None),
         "kv_transfer_seconds": (3, T.TYPE_DOUBLE, SINGULAR, None),
         "first_decode_step_seconds": (4, T.TYPE_DOUBLE, SINGULAR, None),
+        "placement": (5, T.TYPE_STRING, SINGULAR, None),
     },
     "GetModelInfoRequest": {},
     "ModelInfo": {

@@ -30,8 +30,9 @@ def reference() -> list[list[int]]:
 @pytest.mark.parametrize("layout", [
     {"prefill_workers": 1, "decode_workers": 1},
     {"prefill_workers": 2, "decode_workers": 2},
+    {"prefill_workers": 1, "decode_workers": 1, "local_prefill": True},
     {"prefill_workers": 0, "decode_workers": 0, "colocated_workers": 2},
-], ids=["1P1D", "2P2D", "colocated"])
+], ids=["1P1D", "2P2D", "1P1D-local-prefill", "colocated"])
 def test_greedy_output_equals_the_engine_token_for_token(ray_cluster, reference, layout):
     with running_server(model="smollm2-135m", num_blocks=128, **layout) as server:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrently, so the workers batch them
@@ -41,7 +42,13 @@ def test_greedy_output_equals_the_engine_token_for_token(ray_cluster, reference,
             last = responses[-1]
             assert last.usage.completion_tokens == len(want)
             assert "".join(r.text for r in responses) == server.server.servicer.tokenizer.decode(want)
-            kinds = ("colocated", "colocated") if "colocated_workers" in layout else ("prefill", "decode")
+            kinds = {"colocated": ("colocated", "colocated"), "local": ("decode", "decode"),
+                     "remote": ("prefill", "decode")}[last.timing.placement]
             assert last.prefill_worker_id.startswith(kinds[0]) and last.decode_worker_id.startswith(kinds[1])
+            want_placement = ("colocated" if "colocated_workers" in layout
+                              else "local" if layout.get("local_prefill") else "remote")
+            # NOTE: these prompts are short and the decode worker idle: prefilling there costs a fraction of
+            # a decode step, so conditional disaggregation keeps every one of them local
+            assert last.timing.placement == want_placement
         reports = server.wait_idle()
         assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports

@@ -113,16 +113,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_seconds", "prefill_seconds", "kv_transfer_seconds", "first_decode_step_seconds")
+    __slots__ = ("queue_seconds", "prefill_seconds", "kv_transfer_seconds", "first_decode_step_seconds", "placement")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     prefill_seconds: float
     kv_transfer_seconds: float
     first_decode_step_seconds: float
-    def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., first_decode_step_seconds: _Optional[float] = ...) -> None: ...
+    placement: str
+    def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., kv_transfer_seconds: _Optional[float] = ..., first_decode_step_seconds: _Optional[float] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,109 @@
+"""What placement trades, in seconds, learned online from what the workers report: one model, one place.
+
+    prefill(w, n tokens)   = (w's queued prefill tokens + n) / w's prefill rate        [tokens/s, per worker]
+    transfer(P -> D, b)    = b / the pair's link rate                                  [bytes/s, per pair]
+    admit(D)               = one of D's decode steps                                   [seconds, per worker]
+
+Every rate is an exponentially weighted mean of observations (`observe_*`): a prefill's uncached tokens over
+the time from its first chunk to its first token; a KV transfer's bytes over its duration; a decode worker's
+step time. Until a worker or a pair has been measured, a prior stands in (a pair on one node is assumed
+faster than one across nodes); once measured, only measurements count.
+
+These feed `placement.choose_path`: the (prefill, decode) pair with the lowest estimated time until the
+request decodes, or the decode worker itself when prefilling there is cheaper and the stall it puts on
+that worker's running streams is worth it (see there). A P:D planner would size the pools from the same
+numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CostPriors:
+    """Stand-ins until something is measured (a GPU is far faster; the first observation replaces them)."""
+
+    prefill_tokens_per_s: float = 2_000.0
+    same_node_bytes_per_s: float = 2e9
+    cross_node_bytes_per_s: float = 2e8
+    decode_step_s: float = 0.05
+    alpha: float = 0.2  # weight of each new observation
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "same_node_bytes_per_s", "cross_node_bytes_per_s", "decode_step_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+
+
+@dataclass
+class _Ewma:
+    value: float | None = None
+
+    def observe(self, x: float, alpha: float) -> None:
+        self.value = x if self.value is None else (1 - alpha) * self.value + alpha * x
+
+
+@dataclass
+class CostModel:
+    bytes_per_token: int  # KV bytes one token takes on the wire (every layer, K and V)
+    priors: CostPriors = field(default_factory=CostPriors)
+    _prefill: dict[str, _Ewma] = field(default_factory=dict)
+    _link: dict[tuple[str, str], _Ewma] = field(default_factory=dict)
+    _step: dict[str, _Ewma] = field(default_factory=dict)
+
+    # -- observations -----------------------------------------------------------------------------------
+
+    def observe_prefill(self, worker_id: str, num_tokens: int, seconds: float) -> None:
+        # NOTE: tiny prompts measure fixed overheads, not throughput: only chunks worth a rate count
+        if num_tokens >= 32 and seconds > 0:
+            self._prefill.setdefault(worker_id, _Ewma()).observe(num_tokens / seconds, self.priors.alpha)
+
+    def observe_transfer(self, src: str, dst: str, num_bytes: int, seconds: float) -> None:
+        if num_bytes > 0 and seconds > 0:
+            self._link.setdefault((src, dst), _Ewma()).observe(num_bytes / seconds, self.priors.alpha)
+
+    def observe_step(self, worker_id: str, seconds: float) -> None:
+        if seconds > 0:
+            self._step.setdefault(worker_id, _Ewma()).observe(seconds, self.priors.alpha)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker left: drop what was learned about it and its links."""
+        self._prefill.pop(worker_id, None)
+        self._step.pop(worker_id, None)
+        for pair in [p for p in self._link if worker_id in p]:
+            del self._link[pair]
+
+    # -- rates ------------------------------------------------------------------------------------------
+
+    def prefill_rate(self, worker_id: str) -> float:
+        ewma = self._prefill.get(worker_id)
+        return ewma.value if ewma is not None and ewma.value else self.priors.prefill_tokens_per_s
+
+    def link_rate(self, src: str, dst: str, same_node: bool) -> float:
+        ewma = self._link.get((src, dst))
+        if ewma is not None and ewma.value:
+            return ewma.value
+        return self.priors.same_node_bytes_per_s if same_node else self.priors.cross_node_bytes_per_s
+
+    def step_time(self, worker_id: str) -> float:
+        ewma = self._step.get(worker_id)
+        return ewma.value if ewma is not None and ewma.value else self.priors.decode_step_s
+
+    def measured_links(self) -> dict[tuple[str, str], float]:
+        return {pair: e.value for pair, e in self._link.items() if e.value}
+
+    # -- estimates (seconds) ----------------------------------------------------------------------------
+
+    def prefill_s(self, worker_id: str, queued_tokens: int, num_tokens: int) -> float:
+        return (queued_tokens + num_tokens) / self.prefill_rate(worker_id)
+
+    def transfer_s(self, src: str, dst: str, same_node: bool, num_tokens: int) -> float:
+        return num_tokens * self.bytes_per_token / self.link_rate(src, dst, same_node)
+
+    def local_budget_tokens(self, worker_id: str) -> int:
+        """The longest uncached prompt a decode worker may prefill itself: what it computes in about one of its
+        own decode steps (its running streams then see at most one step's extra delay)."""
+        return int(self.prefill_rate(worker_id) * self.step_time(worker_id))
