@@ -165,7 +165,9 @@ class DecodeWorker:
         for rid in request_ids:
             pending = self.pending.get(rid)
             if pending is None:
-                gone.append(rid)
+                # NOTE: admitted already (its first token came before its KV finished landing): not lapsed
+                if rid not in self.engine.scheduler.requests:
+                    gone.append(rid)
                 continue
             pending.lease_until = max(pending.lease_until, until)
             self.receiver.extend(rid, until)
