@@ -58,6 +58,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of all tokens
+    num_new_tokens: int = 0  # tokens the last step appended (more than one when drafts were accepted)
     # prefill worker: stop after the first token and hold the blocks (SENDING_KV) until the KV has shipped
     prefill_only: bool = False
 
