@@ -16,7 +16,8 @@ What is observed, and when (every hook runs on the router's event loop, so nothi
   ends (`on_end`). Stages come from `RequestState.timing` for requests that got a first token:
   `queue`, `prefill`, `kv_transfer` on the disaggregated path (`decode_admit` too once a decode token
   reached the client); only `queue` on the colocated path, whose engine queues and prefills in one.
-- Per-worker load gauges from every load report; KV-transfer latency, bytes and failures per
+- Per-worker load gauges from every load report, and each decoding worker's draft, accepted and decode
+  token counts (speculative decoding's acceptance rate and tokens per step); KV-transfer latency, bytes and failures per
   (prefill, decode) pair from the router's transfer notices.
 """
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_wsgi_server
 
+from engine.messages import SpecCounts
 from router.observer import RequestObserver
 from router.placement import PoolKind
 
@@ -104,6 +106,16 @@ class Metrics(RequestObserver):
                              load_labels, registry=r)
         self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "1 - free KV blocks / total KV blocks "
                               "(evictable prefix-cache blocks count as free).", load_labels, registry=r)
+        # speculative decoding, from each decode/colocated worker's cumulative counts (see `on_report`):
+        # acceptance = rate(accepted) / rate(draft); tokens per step = rate(decode tokens) / rate(seq steps)
+        self.spec_draft = Counter("pdserve_spec_draft_tokens", "Draft tokens verified.", load_labels, registry=r)
+        self.spec_accepted = Counter("pdserve_spec_accepted_tokens", "Draft tokens the target model agreed "
+                                     "with.", load_labels, registry=r)
+        self.decode_steps = Counter("pdserve_decode_seq_steps", "(sequence, engine step) pairs that decoded, "
+                                    "speculating or not.", load_labels, registry=r)
+        self.decode_tokens = Counter("pdserve_decode_tokens", "Tokens those decode steps appended.",
+                                     load_labels, registry=r)
+        self._spec_seen: dict[str, SpecCounts] = {}  # worker id -> the counts its last report carried
         self.kv_seconds = Histogram(
             "pdserve_kv_transfer_seconds", "A prompt's KV transfer, opened -> last layer acknowledged "
             "(overlaps the prefill compute).", ["model", "src", "dst"], buckets=KV_TRANSFER_BUCKETS, registry=r)
@@ -189,6 +201,7 @@ class Metrics(RequestObserver):
         self.running.labels(*labels).set(load.num_running)
         self.waiting.labels(*labels).set(load.num_waiting)
         self.kv_usage.labels(*labels).set(1.0 - load.free_blocks / load.total_blocks if load.total_blocks else 0.0)
+        self._on_spec_counts(labels, worker.worker_id, load.spec)
         known = self._workers.get(worker.kind.value)
         if known is not None and worker.worker_id not in known:
             known.add(worker.worker_id)
@@ -197,6 +210,17 @@ class Metrics(RequestObserver):
                 for dst in self._workers[PoolKind.DECODE.value]:
                     self.kv_failures.labels(self.model, src, dst)
                     self.kv_bytes.labels(self.model, src, dst)
+
+    def _on_spec_counts(self, labels: tuple[str, ...], worker_id: str, now: SpecCounts) -> None:
+        if not now.num_decode_seq_steps:
+            return  # a prefill worker, or nothing decoded yet
+        seen = self._spec_seen.get(worker_id, SpecCounts())
+        # NOTE: the counts are cumulative in the worker, so a report lost or merged costs nothing here
+        self.spec_draft.labels(*labels).inc(now.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted.labels(*labels).inc(now.num_accepted_tokens - seen.num_accepted_tokens)
+        self.decode_steps.labels(*labels).inc(now.num_decode_seq_steps - seen.num_decode_seq_steps)
+        self.decode_tokens.labels(*labels).inc(now.num_decode_tokens - seen.num_decode_tokens)
+        self._spec_seen[worker_id] = now
 
     def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
         if not ok:
@@ -212,6 +236,7 @@ class Metrics(RequestObserver):
         """
         self.workers_lost.labels(self.model, worker.kind.value).inc()
         labels = (self.model, worker.kind.value, worker.worker_id, worker.info.node_id)
+        self._spec_seen.pop(worker.worker_id, None)
         for gauge in (self.running, self.waiting, self.kv_usage):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
