@@ -373,19 +373,35 @@ def bench_prefill(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTrain
     return results
 
 
+def matmul_pass(model: LlamaForCausalLM, reps: int = 5) -> float:
+    """Seconds of a batch-1 step's matrix multiplies alone (every layer's and lm_head, nothing else), best
+    of `reps`: what the step would cost with every other op free."""
+    c = model.config
+    x, q, i = torch.zeros(1, c.hidden_size), torch.zeros(1, c.q_size), torch.zeros(1, c.intermediate_size)
+
+    def once() -> None:
+        for layer in model.layers:
+            layer.qkv(x), layer.o(q), layer.gate(x), layer.up(x), layer.down(i)
+        model.lm_head(x)
+
+    with torch.inference_mode():
+        return min(timed(once) for _ in range(reps))
+
+
 def bench_roofline(cfg: BenchConfig, engine: LLMEngine, rng: random.Random, vocab: int) -> dict[str, float]:
-    """The copy bandwidth and the engine's batch-1 step, measured back to back so both see the same load;
-    the median of `decode_reps` such pairs."""
+    """The copy bandwidth, the engine's batch-1 step and its matmuls alone, measured back to back so all
+    see the same load; the median of `decode_reps` such triples."""
     nbytes = decode_bytes(engine.model)
     prompt = random_prompt(rng, cfg.decode_prompt_len[1], vocab)
-    pairs = [(copy_bandwidth(), engine_decode_step(engine, [prompt], cfg.decode_tokens))
-             for _ in range(cfg.decode_reps)]
-    bandwidth, engine_step = sorted(pairs, key=lambda p: p[0] * p[1])[len(pairs) // 2]
+    triples = [(copy_bandwidth(), engine_decode_step(engine, [prompt], cfg.decode_tokens),
+                matmul_pass(engine.model)) for _ in range(cfg.decode_reps)]
+    bandwidth, engine_step, matmuls = sorted(triples, key=lambda p: p[0] * p[1])[len(triples) // 2]
     step = nbytes / bandwidth
     progress(f"roofline: {nbytes / 1e6:.1f} MB per step / {bandwidth / 1e9:.1f} GB/s = {step * 1e3:.1f} ms; "
-             f"engine batch 1 {engine_step * 1e3:.1f} ms/step beside it")
+             f"engine batch 1 {engine_step * 1e3:.1f} ms/step beside it, its matmuls alone {matmuls * 1e3:.1f} ms")
     return {"bytes_per_step": nbytes, "copy_gb_s": bandwidth / 1e9, "step_ms": step * 1e3,
-            "tok_s": 1 / step, "engine_step_ms": engine_step * 1e3, "engine_fraction": step / engine_step}
+            "tok_s": 1 / step, "engine_step_ms": engine_step * 1e3, "engine_fraction": step / engine_step,
+            "matmuls_ms": matmuls * 1e3, "matmuls_fraction": step / matmuls}
 
 
 class DecodeRun:
@@ -520,7 +536,8 @@ def table(r: dict) -> str:
     f = r["roofline"]
     rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s "
                 f"copy = {f['step_ms']:.1f} ms; engine batch 1 beside it {f['engine_step_ms']:.1f} ms = "
-                f"{100 * f['engine_fraction']:.0f}% of the roofline")
+                f"{100 * f['engine_fraction']:.0f}% of the roofline; its matmuls alone {f['matmuls_ms']:.1f} ms = "
+                f"{100 * f['matmuls_fraction']:.0f}%")
     rows.append(f"mixed: HF in static batches of {m['hf_batch']}, engine {m['engine_s']:.1f}s vs HF "
                 f"{m['hf_s']:.1f}s for {m['output_tokens']} output tokens")
     for name, v in r["speculation"].items():
