@@ -17,7 +17,7 @@ class RequestStatus(enum.IntEnum):
     PREFILLING = enum.auto()  # prompt chunks being computed
     SENDING_KV = enum.auto()  # prefill done on a prefill worker, KV on its way to a decode worker
     WAITING_FOR_KV = enum.auto()  # decode worker: blocks reserved, KV not yet landed
-    RUNNING = enum.auto()  # decoding one token per step
+    RUNNING = enum.auto()  # decoding: one token per step (more when speculative drafts are accepted)
     FINISHED_STOPPED = enum.auto()  # EOS or a stop token
     FINISHED_LENGTH = enum.auto()  # max_tokens or the context length
     FINISHED_ABORTED = enum.auto()  # cancelled by the client
