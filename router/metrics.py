@@ -24,6 +24,7 @@ What is observed, and when (every hook runs on the router's event loop, so nothi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -212,15 +213,17 @@ class Metrics(RequestObserver):
                     self.kv_bytes.labels(self.model, src, dst)
 
     def _on_spec_counts(self, labels: tuple[str, ...], worker_id: str, now: SpecCounts) -> None:
-        if not now.num_decode_seq_steps:
-            return  # a prefill worker, or nothing decoded yet
+        # NOTE: the counts are cumulative in the worker, so a lost report costs nothing here; and a stale
+        # one (a `report()` answer can land after a newer step's load) must not count backwards: each
+        # counter takes only what exceeds the most it has seen
         seen = self._spec_seen.get(worker_id, SpecCounts())
-        # NOTE: the counts are cumulative in the worker, so a report lost or merged costs nothing here
-        self.spec_draft.labels(*labels).inc(now.num_draft_tokens - seen.num_draft_tokens)
-        self.spec_accepted.labels(*labels).inc(now.num_accepted_tokens - seen.num_accepted_tokens)
-        self.decode_steps.labels(*labels).inc(now.num_decode_seq_steps - seen.num_decode_seq_steps)
-        self.decode_tokens.labels(*labels).inc(now.num_decode_tokens - seen.num_decode_tokens)
-        self._spec_seen[worker_id] = now
+        counters = (self.spec_draft, self.spec_accepted, self.decode_steps, self.decode_tokens)
+        new, old = dataclasses.astuple(now), dataclasses.astuple(seen)
+        if not any(new):
+            return  # a prefill worker, or nothing decoded yet
+        for counter, n, o in zip(counters, new, old):
+            counter.labels(*labels).inc(max(0, n - o))
+        self._spec_seen[worker_id] = SpecCounts(*map(max, new, old))
 
     def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
         if not ok:

@@ -265,3 +265,18 @@ def test_migration_cause_labels_are_the_lifecycles_causes():
     for cause in MIGRATION_CAUSES:  # every series exists at zero from the start, for rate() and dashboards
         assert m.registry.get_sample_value("pdserve_request_migrations_total",
                                            {"model": MODEL, "cause": cause}) == 0.0
+
+
+def test_speculation_counters_follow_cumulative_reports_and_ignore_stale_ones():
+    from engine.messages import SpecCounts
+
+    m = Metrics(MODEL)
+    d = worker("decode-0", PoolKind.DECODE)
+    labels = dict(pool="decode", worker="decode-0", node="node-a")
+    m.on_report(d, report("decode-0", 1, 0, 50, spec=SpecCounts(8, 5, 4, 9)))
+    m.on_report(d, report("decode-0", 1, 0, 50, spec=SpecCounts(6, 4, 3, 7)))  # an older snapshot, late
+    m.on_report(d, report("decode-0", 1, 0, 50, spec=SpecCounts(12, 6, 6, 13)))
+    assert value(m, "pdserve_spec_draft_tokens_total", **labels) == 12
+    assert value(m, "pdserve_spec_accepted_tokens_total", **labels) == 6
+    assert value(m, "pdserve_decode_seq_steps_total", **labels) == 6
+    assert value(m, "pdserve_decode_tokens_total", **labels) == 13
