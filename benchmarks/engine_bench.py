@@ -38,6 +38,13 @@ Decisions, so the numbers can be argued with:
   512 MB tensor copy, read plus write bytes per second) is the fastest a step can be; our batch-1 step,
   timed right after the bandwidth so both see the same load, is reported as a fraction of it.
 - One engine serves all three workloads, with max_num_batched_tokens = 2,048 and max_num_seqs = 64.
+- Speculation (`spec_ngram_*_vs_plain`): a second engine on the same weights with n-gram speculation on
+  (k = 4, n-grams of 4 down to 2) against the first, greedy, on the same prompts at the same time: each
+  step goes to the side that has spent less time so far, so both see the same load. Two workloads of real text, each through SmolLM2's chat template: *repetition* (rewrite a code
+  block with a small edit, quote or summarise from a long passage: output that copies from the prompt)
+  and *chat* (open questions: little to copy). Decode throughput: output tokens of the steps in which
+  every sequence decodes, over those steps' time (prefill steps left out on both sides); both engines
+  produce the same tokens, which the run asserts. These requests stop at EOS.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from engine.config import cdiv
+from engine.config import SpeculativeConfig, cdiv
 from engine.hub import ensure_smollm2
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
@@ -90,6 +97,10 @@ class BenchConfig:
     prefill_lens: tuple[int, ...] = (128, 512, 2048)
     prefill_reps: int = 3
     max_num_batched_tokens: int = 2048  # the engine's per-step token budget
+    spec_batches: tuple[int, ...] = (1, 8)
+    spec_tokens: int = 128  # new tokens per speculation run
+    spec_reps: int = 2
+    num_speculative_tokens: int = 4
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -100,9 +111,50 @@ class BenchConfig:
             raise ValueError("BenchConfig.max_num_batched_tokens must fit a whole decode batch's prompts")
 
 
+REPETITION = [
+    "Here is a passage:\n\nThe lighthouse stood at the edge of the cliff for two hundred years. Every night "
+    "the keeper climbed the one hundred and twelve steps to light the lamp, and every morning he climbed them "
+    "again to put it out. Ships passed safely because of him, and none of their sailors ever knew his name.\n\n"
+    "Quote the passage word for word.",
+    "Add a docstring to the class and change nothing else:\n\n```python\nclass Stack:\n"
+    "    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.items.append(item)\n\n"
+    "    def pop(self):\n        return self.items.pop()\n\n    def is_empty(self):\n        return not self.items\n```",
+    "Here is a paragraph:\n\nPaged attention stores the key and value cache in fixed-size blocks, so a sequence's "
+    "cache need not be contiguous in memory. A block table maps each sequence's logical blocks to physical "
+    "blocks, which lets the server share prefixes between requests and avoid fragmentation.\n\n"
+    "Quote the paragraph word for word.",
+    "Fix the typo in this code and print the whole corrected code:\n\n```python\ndef area(width, height):\n"
+    "    return width * height\n\n\ndef perimeter(width, heigth):\n    return 2 * (width + height)\n\n\n"
+    "def describe(width, height):\n    print('area', area(width, height))\n"
+    "    print('perimeter', perimeter(width, height))\n```",
+    "Here is a quote:\n\nIt was the best of times, it was the worst of times, it was the age of wisdom, it was "
+    "the age of foolishness, it was the epoch of belief, it was the epoch of incredulity.\n\n"
+    "Repeat the quote exactly.",
+    "Rename the function `f` to `square` in this code and print the whole code:\n\n```python\n"
+    "def f(x):\n    return x * x\n\n\nvalues = [1, 2, 3, 4]\nsquares = [f(v) for v in values]\n"
+    "print(squares)\n```",
+    "Here is a note:\n\nThe meeting is moved to Thursday at ten in the small room on the third floor. Please "
+    "bring the quarterly figures and the draft of the new budget, and tell Anna that the printer is fixed.\n\n"
+    "Quote the note word for word.",
+    "Add type hints to this function and print the whole function:\n\n```python\ndef greet(name, times):\n"
+    "    out = []\n    for i in range(times):\n        out.append('Hello, ' + name + '!')\n"
+    "    return ' '.join(out)\n```",
+]
+CHAT = [
+    "Write a haiku about the sea.",
+    "Why is the sky blue? Explain briefly.",
+    "Give me three ideas for a birthday party.",
+    "What is the difference between a list and a tuple in Python?",
+    "Tell me a short story about a robot who learns to paint.",
+    "How do I make a good cup of tea?",
+    "What are the benefits of regular exercise?",
+    "Describe your ideal weekend.",
+]
+
+
 QUICK = BenchConfig(decode_batches=(1, 8), decode_tokens=16, decode_reps=2, mixed_requests=8,
                     mixed_prompt_len=(16, 128), mixed_output_len=(4, 24), prefill_lens=(128, 512),
-                    prefill_reps=1)
+                    prefill_reps=1, spec_tokens=48, spec_reps=1)
 
 
 @dataclass(frozen=True)
@@ -151,6 +203,12 @@ def load_engine(cfg: BenchConfig, mixed: Sequence[MixedRequest]) -> LLMEngine:
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=cfg.max_num_batched_tokens),
     ))
+
+
+def load_spec_engine(cfg: BenchConfig, like: LLMEngine) -> LLMEngine:
+    """An engine like `like` with n-gram speculation on."""
+    return LLMEngine(dataclasses.replace(like.config, speculative=SpeculativeConfig(
+        "ngram", cfg.num_speculative_tokens)))
 
 
 def load_hf() -> transformers.PreTrainedModel:
@@ -315,19 +373,109 @@ def bench_prefill(cfg: BenchConfig, engine: LLMEngine, hf: transformers.PreTrain
     return results
 
 
+def matmul_pass(model: LlamaForCausalLM, reps: int = 5) -> float:
+    """Seconds of a batch-1 step's matrix multiplies alone (every layer's and lm_head, nothing else), best
+    of `reps`: what the step would cost with every other op free."""
+    c = model.config
+    x, q, i = torch.zeros(1, c.hidden_size), torch.zeros(1, c.q_size), torch.zeros(1, c.intermediate_size)
+
+    def once() -> None:
+        for layer in model.layers:
+            layer.qkv(x), layer.o(q), layer.gate(x), layer.up(x), layer.down(i)
+        model.lm_head(x)
+
+    with torch.inference_mode():
+        return min(timed(once) for _ in range(reps))
+
+
 def bench_roofline(cfg: BenchConfig, engine: LLMEngine, rng: random.Random, vocab: int) -> dict[str, float]:
-    """The copy bandwidth and the engine's batch-1 step, measured back to back so both see the same load;
-    the median of `decode_reps` such pairs."""
+    """The copy bandwidth, the engine's batch-1 step and its matmuls alone, measured back to back so all
+    see the same load; the median of `decode_reps` such triples."""
     nbytes = decode_bytes(engine.model)
     prompt = random_prompt(rng, cfg.decode_prompt_len[1], vocab)
-    pairs = [(copy_bandwidth(), engine_decode_step(engine, [prompt], cfg.decode_tokens))
-             for _ in range(cfg.decode_reps)]
-    bandwidth, engine_step = sorted(pairs, key=lambda p: p[0] * p[1])[len(pairs) // 2]
+    triples = [(copy_bandwidth(), engine_decode_step(engine, [prompt], cfg.decode_tokens),
+                matmul_pass(engine.model)) for _ in range(cfg.decode_reps)]
+    bandwidth, engine_step, matmuls = sorted(triples, key=lambda p: p[0] * p[1])[len(triples) // 2]
     step = nbytes / bandwidth
     progress(f"roofline: {nbytes / 1e6:.1f} MB per step / {bandwidth / 1e9:.1f} GB/s = {step * 1e3:.1f} ms; "
-             f"engine batch 1 {engine_step * 1e3:.1f} ms/step beside it")
+             f"engine batch 1 {engine_step * 1e3:.1f} ms/step beside it, its matmuls alone {matmuls * 1e3:.1f} ms")
     return {"bytes_per_step": nbytes, "copy_gb_s": bandwidth / 1e9, "step_ms": step * 1e3,
-            "tok_s": 1 / step, "engine_step_ms": engine_step * 1e3, "engine_fraction": step / engine_step}
+            "tok_s": 1 / step, "engine_step_ms": engine_step * 1e3, "engine_fraction": step / engine_step,
+            "matmuls_ms": matmuls * 1e3, "matmuls_fraction": step / matmuls}
+
+
+class DecodeRun:
+    """One engine generating for a batch of prompts, a step at a time: the decode tokens (appended in
+    steps without a prefill chunk) and those steps' seconds."""
+
+    def __init__(self, engine: LLMEngine, prompts: Sequence[Prompt], new_tokens: int) -> None:
+        self.engine = engine
+        # NOTE: EOS ends a request here (unlike the other workloads): past it SmolLM2 invents new chat
+        # turns, which is neither the workload nor what a server would stream
+        self.reqs = [engine.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0))
+                     for p in prompts]
+        self.elapsed = 0.0  # every step's time, prefill included
+        self.tokens, self.seconds = 0, 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [r.output_token_ids for r in self.reqs]
+
+    def step(self) -> None:
+        before = sum(len(r.output_token_ids) for r in self.reqs)
+        t0 = time.perf_counter()
+        out, _ = self.engine.step()
+        dt = time.perf_counter() - t0
+        self.elapsed += dt
+        if all(c.start >= c.request.num_prompt_tokens for c in out.chunks):
+            self.tokens += sum(len(r.output_token_ids) for r in self.reqs) - before
+            self.seconds += dt
+
+
+def run_paired(runs: Sequence[DecodeRun]) -> None:
+    """Step the runs to completion, always the one that has spent least time so far, so that they share
+    the machine's load over the same stretch of time (a shared machine's load drifts by the second)."""
+    while not all(r.done for r in runs):
+        min((r for r in runs if not r.done), key=lambda r: r.elapsed).step()
+
+
+def bench_spec(cfg: BenchConfig, engine: LLMEngine, spec: LLMEngine) -> dict[str, dict[str, float]]:
+    """Speculating vs plain engine, per workload and batch: decode tokens/s over all repetitions (each
+    a different rotation of the prompts, both sides run paired) and how many tokens each speculating
+    sequence-step appended."""
+    results = {}
+    for name, texts in (("repetition", REPETITION), ("chat", CHAT)):
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+        for batch in cfg.spec_batches:
+            batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+            plain, fast = [0, 0.0], [0, 0.0]  # tokens, seconds
+            before = spec.scheduler.spec_stats
+            for rep in range(cfg.spec_reps):
+                ps = [batch_prompts[(i + rep) % batch] for i in range(batch)] if batch > 1 else [prompts[rep]]
+                engine.allocator.reset_cache()
+                spec.allocator.reset_cache()
+                runs = [DecodeRun(engine, ps, cfg.spec_tokens), DecodeRun(spec, ps, cfg.spec_tokens)]
+                run_paired(runs)
+                assert runs[1].outputs == runs[0].outputs, "speculation changed the greedy output"
+                plain = [plain[0] + runs[0].tokens, plain[1] + runs[0].seconds]
+                fast = [fast[0] + runs[1].tokens, fast[1] + runs[1].seconds]
+            st = spec.scheduler.spec_stats
+            drafts = st.num_draft_tokens - before.num_draft_tokens
+            accepted = st.num_accepted_tokens - before.num_accepted_tokens
+            steps = st.num_decode_seq_steps - before.num_decode_seq_steps
+            tokens = st.num_decode_tokens - before.num_decode_tokens
+            r = {"plain_tok_s": plain[0] / plain[1], "spec_tok_s": fast[0] / fast[1],
+                 "ratio": fast[0] / fast[1] / (plain[0] / plain[1]),
+                 "acceptance": accepted / drafts if drafts else 0.0, "tokens_per_step": tokens / steps}
+            results[f"{name}_b{batch}"] = r
+            progress(f"speculation, {name}, batch {batch}: plain {r['plain_tok_s']:.1f} tok/s, ngram "
+                     f"{r['spec_tok_s']:.1f} tok/s ({r['ratio']:.2f}x), acceptance {r['acceptance']:.2f}, "
+                     f"{r['tokens_per_step']:.2f} tokens/step")
+    return results
 
 
 def warm_up(engine: LLMEngine, hf: transformers.PreTrainedModel, rng: random.Random, vocab: int) -> None:
@@ -348,20 +496,26 @@ def run(cfg: BenchConfig) -> dict:
     engine = load_engine(cfg, mixed)
     warm_up(engine, hf, rng, vocab)
 
+    spec_engine = load_spec_engine(cfg, engine)
+    run_paired([DecodeRun(spec_engine, [random_prompt(rng, 40, vocab)], 4)])  # warm up
+
     decode = bench_decode(cfg, engine, hf, rng, vocab)
     mixed_result = bench_mixed(cfg, engine, hf, mixed)
     prefill = bench_prefill(cfg, engine, hf, rng, vocab)
     roofline = bench_roofline(cfg, engine, rng, vocab)
+    spec = bench_spec(cfg, engine, spec_engine)
     longest = prefill.get("2048")
     return {
         "decode_b1_vs_hf": decode["1"]["engine_tok_s"] / decode["1"]["hf_tok_s"],
         "mixed_throughput_vs_hf": mixed_result["engine_tok_s"] / mixed_result["hf_tok_s"],
         "prefill_2048_vs_hf": longest["engine_tok_s"] / longest["hf_tok_s"] if longest else None,
         "decode_b1_vs_roofline": roofline["engine_fraction"],
+        **{f"spec_ngram_{k.split('_')[1]}_vs_plain" + ("" if k.startswith("repetition") else "_chat"): v["ratio"]
+           for k, v in spec.items()},
         "model": MODEL, "dtype": "float32", "threads": cfg.threads, "torch": torch.__version__,
         "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(),
         "transformers": transformers.__version__, "config": dataclasses.asdict(cfg),
-        "decode": decode, "mixed": mixed_result, "prefill": prefill, "roofline": roofline,
+        "decode": decode, "mixed": mixed_result, "prefill": prefill, "roofline": roofline, "speculation": spec,
     }
 
 
@@ -382,9 +536,13 @@ def table(r: dict) -> str:
     f = r["roofline"]
     rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s "
                 f"copy = {f['step_ms']:.1f} ms; engine batch 1 beside it {f['engine_step_ms']:.1f} ms = "
-                f"{100 * f['engine_fraction']:.0f}% of the roofline")
+                f"{100 * f['engine_fraction']:.0f}% of the roofline; its matmuls alone {f['matmuls_ms']:.1f} ms = "
+                f"{100 * f['matmuls_fraction']:.0f}%")
     rows.append(f"mixed: HF in static batches of {m['hf_batch']}, engine {m['engine_s']:.1f}s vs HF "
                 f"{m['hf_s']:.1f}s for {m['output_tokens']} output tokens")
+    for name, v in r["speculation"].items():
+        rows.append(f"speculation {name:<14} plain {v['plain_tok_s']:6.1f} tok/s, ngram {v['spec_tok_s']:6.1f} tok/s "
+                    f"= {v['ratio']:.2f}x (acceptance {v['acceptance']:.2f}, {v['tokens_per_step']:.2f} tokens/step)")
     before, after = r["load_avg"]
     rows.append(f"load average {before:.1f} before, {after:.1f} after, on {r['cpus']} CPUs"
                 + (" (other processes shared the cores: trust the ratios more than the numbers)"

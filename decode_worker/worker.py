@@ -4,7 +4,8 @@ A Ray actor holding one model replica. For a disaggregated request the router ca
 the prompt, reusing this worker's own prefix cache, and a KV receiver armed for them), then — once the
 prefill worker has answered with the first token — `start`. The sequence joins the running batch when
 both its KV has landed and its first token is known. Every engine step sends **one** message to the router
-(`stream_steps`) carrying the new token of every running sequence.
+(`stream_steps`) carrying the new tokens of every running sequence (one each, or with speculative
+decoding on, the verified drafts plus one).
 
 A reservation is a lease: it lapses `lease_s` after it was made or last renewed (`renew`), and the router
 renews it while the prompt's prefill worker is alive and making progress. So a prompt may wait in a prefill

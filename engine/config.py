@@ -156,6 +156,35 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose draft tokens, verify them all in one forward, keep what the target
+    model agrees with (exactly: greedy output and the sampled distribution are the target's own)."""
+
+    method: str | None = None  # None -> off; "ngram" -> prompt lookup over the sequence's own tokens
+    num_speculative_tokens: int = 4  # the most draft tokens verified per sequence per step (k)
+    # n-gram sizes matched against earlier context, longest first; a longer match proposes better drafts
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"SpeculativeConfig.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("SpeculativeConfig.num_speculative_tokens must be >= 1, "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("SpeculativeConfig.prompt_lookup_min must be in [1, prompt_lookup_max], got "
+                             f"{self.prompt_lookup_min} (max {self.prompt_lookup_max})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+SPECULATIVE_METHODS = (None, "ngram")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine (one model replica) needs."""
 
@@ -167,6 +196,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -153,8 +153,8 @@ class EngineLoop:
     @staticmethod
     def _delta(r: Request) -> TokenDelta:
         reason = r.finish_reason
-        return TokenDelta(r.request_id, [r.output_token_ids[-1]], None if reason is None else reason.value,
-                          r.num_cached_tokens)
+        return TokenDelta(r.request_id, r.output_token_ids[-r.num_new_tokens:],
+                          None if reason is None else reason.value, r.num_cached_tokens)
 
     def _fail_all(self) -> StepOutput:
         sched = self.engine.scheduler

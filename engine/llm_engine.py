@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_allocator import BlockAllocator
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.hub import log, resolve_model
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
@@ -22,7 +22,8 @@ from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.spec_decode import verify
 from engine.tokenizer import Tokenizer
 
 # share of the device's free memory (after weights) given to the KV cache when the config does not say
@@ -83,7 +84,7 @@ class LLMEngine:
         num_blocks = self._num_blocks(config.cache)
         self.kv_cache = KVCache(self.cache_spec, num_blocks, self.device)
         self.allocator = BlockAllocator(num_blocks, config.scheduler.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.block_size, config.speculative)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self._ids = itertools.count()
         log(f"loaded {config.model} ({model_config.num_params / 1e6:.0f}M params, {self.dtype}, "
@@ -157,6 +158,7 @@ class LLMEngine:
             free_blocks=a.num_free_blocks,
             total_blocks=a.num_blocks,
             cached_blocks=a.num_cached_blocks,
+            spec=s.spec_stats,
         )
 
     def step(self, layer_hook_for: LayerHookFactory | None = None) -> tuple[SchedulerOutput, list[Request]]:
@@ -167,14 +169,30 @@ class LLMEngine:
         if not out.chunks:
             return out, []
         logits = self.runner.execute(out, layer_hook_for(out) if layer_hook_for else None)
-        tokens = sample(logits, [c.request.params for c in out.chunks],
-                        [c.request.num_tokens for c in out.chunks])
-        return out, self.scheduler.update(out, tokens)
+        return out, self.scheduler.update(out, sample_chunks(logits, out.chunks))
 
     def output(self, req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
                              self.tokenizer.decode(req.output_token_ids), req.finish_reason,
                              req.num_cached_tokens)
+
+
+def sample_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[list[int]]:
+    """The tokens each chunk appends: one sampled token, or for a chunk with drafts the verified ones.
+    logits: [sum of chunk.num_logits, vocab], as `ModelRunner.execute` returns them."""
+    offsets = list(itertools.accumulate((c.num_logits for c in chunks), initial=0))  # each chunk's first row
+    plain = [i for i, c in enumerate(chunks) if not c.draft_token_ids]
+    tokens: list[list[int]] = [[] for _ in chunks]
+    if plain:  # batched, as without speculation
+        sampled = sample(logits[[offsets[i] for i in plain]], [chunks[i].request.params for i in plain],
+                         [chunks[i].request.num_tokens for i in plain])
+        for i, t in zip(plain, sampled):
+            tokens[i] = [t]
+    for i, c in enumerate(chunks):
+        if c.draft_token_ids:
+            rows = logits[offsets[i]:offsets[i + 1]]
+            tokens[i] = verify(rows, c.request.params, c.request.num_tokens, c.draft_token_ids)
+    return tokens
 
 
 class LLM:
@@ -184,11 +202,13 @@ class LLM:
                  max_model_len: int | None = None, num_threads: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, memory_fraction: float | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 enable_prefix_caching: bool = True, seed: int = 0) -> None:
+                 enable_prefix_caching: bool = True, seed: int = 0,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, num_threads=num_threads,
             seed=seed, cache=CacheConfig(block_size, num_blocks, memory_fraction),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_prefix_caching),
+            speculative=speculative or SpeculativeConfig(),
         ))
 
     @property

@@ -14,6 +14,17 @@ from engine.block_hash import BlockHash
 
 
 @dataclass(frozen=True)
+class SpecCounts:
+    """Decode and speculative-decoding counts since the engine started (cumulative, so a lost report loses
+    nothing): acceptance rate = accepted / draft tokens; tokens per step = decode tokens / seq steps."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_decode_seq_steps: int = 0  # (sequence, step) pairs that decoded, speculating or not
+    num_decode_tokens: int = 0  # tokens those appended
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """A snapshot of one engine's load, what the router's placement policy weighs."""
 
@@ -23,6 +34,7 @@ class EngineLoad:
     free_blocks: int
     total_blocks: int
     cached_blocks: int
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
 
 @dataclass

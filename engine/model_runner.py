@@ -17,7 +17,9 @@ class ModelInputs(NamedTuple):
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_chunks] row of each chunk's last token
+    # [sum of chunk.num_logits] the rows whose logits are wanted: each chunk's last token, or for a chunk
+    # with drafts its last token and every draft
+    logits_indices: torch.Tensor
 
 
 class ModelRunner:
@@ -30,7 +32,8 @@ class ModelRunner:
         self.workspace = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
 
     def execute(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """Logits [num_chunks, vocab] (float32) at each scheduled chunk's last token."""
+        """Logits [sum of chunk.num_logits, vocab] (float32), chunk by chunk: at each chunk's last token, and
+        at each draft of a chunk that carries drafts (see `ModelInputs.logits_indices`)."""
         inputs = self.prepare(out.chunks)
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
                                   inputs.logits_indices, layer_hook)
@@ -45,11 +48,12 @@ class ModelRunner:
         decode_rows: list[tuple[int, ScheduledChunk]] = []
         for c in chunks:
             req, q_start = c.request, len(ids)
-            ids += [req.token_at(p) for p in range(c.start, c.end)]
+            ids += [req.token_at(p) for p in range(c.start, c.end - len(c.draft_token_ids))]
+            ids += c.draft_token_ids
             pos = range(c.start, c.end)
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
-            logits_indices.append(len(ids) - 1)
+            logits_indices += range(len(ids) - c.num_logits, len(ids))
             if c.num_tokens == 1 and c.start > 0:
                 decode_rows.append((q_start, c))
             else:

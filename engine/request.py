@@ -17,7 +17,7 @@ class RequestStatus(enum.IntEnum):
     PREFILLING = enum.auto()  # prompt chunks being computed
     SENDING_KV = enum.auto()  # prefill done on a prefill worker, KV on its way to a decode worker
     WAITING_FOR_KV = enum.auto()  # decode worker: blocks reserved, KV not yet landed
-    RUNNING = enum.auto()  # decoding one token per step
+    RUNNING = enum.auto()  # decoding: one token per step (more when speculative drafts are accepted)
     FINISHED_STOPPED = enum.auto()  # EOS or a stop token
     FINISHED_LENGTH = enum.auto()  # max_tokens or the context length
     FINISHED_ABORTED = enum.auto()  # cancelled by the client
@@ -58,6 +58,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first schedule
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of all tokens
+    num_new_tokens: int = 0  # tokens the last step appended (more than one when drafts were accepted)
     # prefill worker: stop after the first token and hold the blocks (SENDING_KV) until the KV has shipped
     prefill_only: bool = False
 

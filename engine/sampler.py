@@ -48,6 +48,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    # NOTE: the generator lives on the CPU, so the draw does too; one row's probabilities are small.
+    return int(torch.multinomial(probabilities(logits, p).cpu(), 1, generator=generator).item())
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from: logits [vocab] after temperature, top-k and top-p."""
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -59,5 +65,4 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    # NOTE: the generator lives on the CPU, so the draw does too; one row's probabilities are small.
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+    return probs

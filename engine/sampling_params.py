@@ -15,6 +15,9 @@ class SamplingParams:
     seed: int | None = None  # same seed, same prompt -> same tokens
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # opt out of speculative decoding on an engine that has it on (the output is the same either way;
+    # this only trades the engine's extra verify work for this request)
+    disable_speculation: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -5,6 +5,11 @@ still prefilling), then waiting sequences are admitted FIFO while the budget, th
 free blocks allow. A new sequence first takes whatever prefix of its prompt the prefix cache holds. When a
 running sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it is recomputed from scratch later (vLLM's recompute preemption).
+
+With speculative decoding on, a decoding sequence's chunk also carries the proposer's draft tokens (as
+many as the budget, its max_tokens and the context allow); `update` keeps the verified ones and rolls the
+rest back. When the drafts' blocks do not fit, the sequence decodes plainly this step rather than
+preempting anyone.
 """
 
 from __future__ import annotations
@@ -13,19 +18,28 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_allocator import BlockAllocator
-from engine.config import SchedulerConfig, cdiv
+from engine.config import SchedulerConfig, SpeculativeConfig, cdiv
+from engine.messages import SpecCounts
 from engine.request import Request, RequestStatus
+from engine.spec_decode import NgramProposer
 
 
 @dataclass
 class ScheduledChunk:
     request: Request
     start: int  # first token position computed this step (== request.num_computed_tokens)
-    num_tokens: int
+    num_tokens: int  # the drafts included
+    # speculative drafts after the sequence's last token, at positions request.num_tokens onwards
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this chunk needs: one per draft plus one (its last token's)."""
+        return len(self.draft_token_ids) + 1
 
 
 @dataclass
@@ -44,8 +58,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.proposer = NgramProposer(speculative) if speculative is not None and speculative.enabled else None
+        self.spec_stats = SpecCounts()
         self.allocator = allocator
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
@@ -91,6 +108,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            drafts = self._propose(req, budget)
+            if drafts and self._grow(req, req.num_tokens + len(drafts)):
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(drafts), drafts))
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._grow(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
@@ -122,29 +145,46 @@ class Scheduler:
             budget -= n
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance every scheduled sequence; returns those that got a new token this step (finished ones
-        included: their status says so)."""
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
+        """Advance every scheduled sequence by the tokens sampled for its chunk (one, or the verified
+        drafts plus one); returns those that got new tokens this step (finished ones included: their
+        status says so), each with `num_new_tokens` set."""
         advanced = []
-        for chunk, token in zip(out.chunks, sampled):
+        for chunk, tokens in zip(out.chunks, sampled):
             req = chunk.request
             if req.is_finished:
                 continue  # aborted while the step ran
-            req.num_computed_tokens = chunk.end
-            self._commit_full_blocks(req)
+            decoding = bool(req.output_token_ids) and chunk.start == req.num_tokens - 1
+            # NOTE: a verified chunk's KV is valid up to its last accepted draft; the slots after it hold
+            # rejected drafts' KV, which the sequence's next chunks overwrite.
+            req.num_computed_tokens = chunk.start + len(tokens) if chunk.draft_token_ids else chunk.end
+            if not chunk.draft_token_ids:  # (a verified chunk's blocks are hashed once its tokens are in)
+                self._commit_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a partial prefill chunk: its sample is meaningless
-            req.append_token(token)
+            if decoding:
+                self._count(chunk, tokens)
+            req.num_new_tokens = 0
             advanced.append(req)
             if req.prefill_only:
+                req.append_token(tokens[0])
+                req.num_new_tokens = 1
                 # the blocks stay pinned while the KV-transfer layer reads them; see `finish`
                 req.status = RequestStatus.SENDING_KV
                 self.running.remove(req)
                 continue
             req.status = RequestStatus.RUNNING
-            stop = req.check_stop()
-            if stop is not None:
-                self.finish(req, stop)
+            for token in tokens:
+                req.append_token(token)
+                req.num_new_tokens += 1
+                stop = req.check_stop()
+                if stop is not None:
+                    self.finish(req, stop)
+                    break
+            else:
+                if chunk.draft_token_ids:
+                    self._commit_full_blocks(req)
+                    self._trim(req)
         return advanced
 
     def reserve_for_kv(self, req: Request) -> list[int] | None:
@@ -190,6 +230,33 @@ class Scheduler:
         self.paused.pop(req.request_id, None)
         self._release(req)
         self.requests.pop(req.request_id, None)
+
+    # -- speculation ------------------------------------------------------------------------------------
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a decoding sequence: at most what its budget, max_tokens and context leave room for
+        (all of them accepted plus the target's own token must still fit)."""
+        if (self.proposer is None or req.params.disable_speculation
+                or req.num_computed_tokens != req.num_tokens - 1 or req.status != RequestStatus.RUNNING):
+            return []
+        room = min(budget - 1, req.params.max_tokens - len(req.output_token_ids) - 1)
+        if req.max_model_len is not None:
+            room = min(room, req.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+
+    def _count(self, chunk: ScheduledChunk, tokens: list[int]) -> None:
+        st = self.spec_stats
+        accepted = len(tokens) - 1 if chunk.draft_token_ids else 0
+        self.spec_stats = SpecCounts(st.num_draft_tokens + len(chunk.draft_token_ids),
+                                     st.num_accepted_tokens + accepted, st.num_decode_seq_steps + 1,
+                                     st.num_decode_tokens + len(tokens))
+
+    def _trim(self, req: Request) -> None:
+        """Free the blocks that held only rejected drafts' slots."""
+        keep = cdiv(req.num_tokens, self.block_size)
+        if len(req.block_ids) > keep:
+            self.allocator.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
 
     # -- blocks -----------------------------------------------------------------------------------------
 

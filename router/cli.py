@@ -98,6 +98,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "'off': no endpoint)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="speculative decoding in the decode (and colocated) workers: ngram = prompt lookup")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="with --speculative: draft tokens verified per sequence per step (default 4)")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -132,7 +136,8 @@ def serve_config(args: argparse.Namespace):
         verify_kv_moves=args.verify_kv_moves, placement=args.placement, local_prefill=args.local_prefill,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype)
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def serve(args: argparse.Namespace) -> int:

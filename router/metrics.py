@@ -16,7 +16,8 @@ What is observed, and when (every hook runs on the router's event loop, so nothi
   ends (`on_end`). Stages come from `RequestState.timing` for requests that got a first token:
   `queue`, `prefill`, `kv_transfer` on the disaggregated path (`decode_admit` too once a decode token
   reached the client); only `queue` on the colocated path, whose engine queues and prefills in one.
-- Per-worker load gauges from every load report; KV-transfer latency, bytes and failures per
+- Per-worker load gauges from every load report, and each decoding worker's draft, accepted and decode
+  token counts (speculative decoding's acceptance rate and tokens per step); KV-transfer latency, bytes and failures per
   (prefill, decode) pair from the router's transfer notices.
 - Migrations by cause and method, the pause each migrated stream showed, KV bytes moved between decode
   workers by drains, and each pool's live against target size.
@@ -25,12 +26,14 @@ What is observed, and when (every hook runs on the router's event loop, so nothi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import start_wsgi_server
 
+from engine.messages import SpecCounts
 from router.observer import RequestObserver
 from router.placement import PoolKind
 
@@ -110,6 +113,16 @@ class Metrics(RequestObserver):
                              load_labels, registry=r)
         self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "1 - free KV blocks / total KV blocks "
                               "(evictable prefix-cache blocks count as free).", load_labels, registry=r)
+        # speculative decoding, from each decode/colocated worker's cumulative counts (see `on_report`):
+        # acceptance = rate(accepted) / rate(draft); tokens per step = rate(decode tokens) / rate(seq steps)
+        self.spec_draft = Counter("pdserve_spec_draft_tokens", "Draft tokens verified.", load_labels, registry=r)
+        self.spec_accepted = Counter("pdserve_spec_accepted_tokens", "Draft tokens the target model agreed "
+                                     "with.", load_labels, registry=r)
+        self.decode_steps = Counter("pdserve_decode_seq_steps", "(sequence, engine step) pairs that decoded, "
+                                    "speculating or not.", load_labels, registry=r)
+        self.decode_tokens = Counter("pdserve_decode_tokens", "Tokens those decode steps appended.",
+                                     load_labels, registry=r)
+        self._spec_seen: dict[str, SpecCounts] = {}  # worker id -> the counts its last report carried
         self.kv_seconds = Histogram(
             "pdserve_kv_transfer_seconds", "A prompt's KV transfer, opened -> last layer acknowledged "
             "(overlaps the prefill compute).", ["model", "src", "dst"], buckets=KV_TRANSFER_BUCKETS, registry=r)
@@ -212,6 +225,7 @@ class Metrics(RequestObserver):
         self.running.labels(*labels).set(load.num_running)
         self.waiting.labels(*labels).set(load.num_waiting)
         self.kv_usage.labels(*labels).set(1.0 - load.free_blocks / load.total_blocks if load.total_blocks else 0.0)
+        self._on_spec_counts(labels, worker.worker_id, load.spec)
         known = self._workers.get(worker.kind.value)
         if known is not None and worker.worker_id not in known:
             known.add(worker.worker_id)
@@ -225,6 +239,19 @@ class Metrics(RequestObserver):
                 for dst in self._workers[PoolKind.DECODE.value] - {src}:
                     self.kv_moved_bytes.labels(self.model, src, dst)
                     self.kv_move_failures.labels(self.model, src, dst)
+
+    def _on_spec_counts(self, labels: tuple[str, ...], worker_id: str, now: SpecCounts) -> None:
+        # NOTE: the counts are cumulative in the worker, so a lost report costs nothing here; and a stale
+        # one (a `report()` answer can land after a newer step's load) must not count backwards: each
+        # counter takes only what exceeds the most it has seen
+        seen = self._spec_seen.get(worker_id, SpecCounts())
+        counters = (self.spec_draft, self.spec_accepted, self.decode_steps, self.decode_tokens)
+        new, old = dataclasses.astuple(now), dataclasses.astuple(seen)
+        if not any(new):
+            return  # a prefill worker, or nothing decoded yet
+        for counter, n, o in zip(counters, new, old):
+            counter.labels(*labels).inc(max(0, n - o))
+        self._spec_seen[worker_id] = SpecCounts(*map(max, new, old))
 
     def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
         if not ok:
@@ -241,6 +268,7 @@ class Metrics(RequestObserver):
         if not worker.draining:  # a drained worker was retired, not lost
             self.workers_lost.labels(self.model, worker.kind.value).inc()
         labels = (self.model, worker.kind.value, worker.worker_id, worker.info.node_id)
+        self._spec_seen.pop(worker.worker_id, None)
         for gauge in (self.running, self.waiting, self.kv_usage):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.hub import resolve_model
 from engine.loader import load_config
 from engine.messages import node_identity
@@ -75,6 +75,8 @@ class ServeConfig:
     # (`pdserve serve` turns it on at 8000)
     device: str | None = None
     dtype: str | None = None
+    speculative: str | None = None  # decode and colocated workers: None (off) or "ngram"
+    num_speculative_tokens: int = 4  # drafts verified per sequence per step
     tls_cert: str | None = None  # PEM: serve gRPC over TLS with this certificate chain ...
     tls_key: str | None = None  # ... and private key
     tls_client_ca: str | None = None  # mutual TLS: clients must present a certificate this CA signed
@@ -98,6 +100,10 @@ class ServeConfig:
         if self.worker_timeout <= 0.5:
             raise ValueError(f"--worker-timeout must be > 0.5 seconds (the heartbeat interval), got "
                              f"{self.worker_timeout}")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"--speculative must be ngram (or absent), got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.shutdown_grace < 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace}")
         if self.migration_limit < 0:
@@ -119,12 +125,14 @@ class ServeConfig:
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers + self.colocated_workers
 
-    def engine_config(self, budget: int) -> EngineConfig:
+    def engine_config(self, budget: int, decodes: bool = True) -> EngineConfig:
+        """A worker's engine; `decodes`: it runs decode steps (so speculation applies to it)."""
         threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        spec = SpeculativeConfig(self.speculative, self.num_speculative_tokens) if decodes else SpeculativeConfig()
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             max_model_len=self.max_model_len, num_threads=threads,
                             cache=CacheConfig(self.block_size, self.num_blocks),
-                            scheduler=SchedulerConfig(self.max_num_seqs, budget))
+                            scheduler=SchedulerConfig(self.max_num_seqs, budget), speculative=spec)
 
     def tls(self) -> TLSConfig | None:
         """The TLS files, checked to exist (ValueError naming the flag): at start, not at parse time, so a
@@ -145,7 +153,8 @@ class ServeConfig:
             return [PoolSpec(PoolKind.COLOCATED, self.colocated_workers,
                              self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
         return [PoolSpec(PoolKind.PREFILL, self.prefill_workers,
-                         self.engine_config(self.prefill_max_num_batched_tokens), self.prefill_resources),
+                         self.engine_config(self.prefill_max_num_batched_tokens, decodes=False),
+                         self.prefill_resources),
                 PoolSpec(PoolKind.DECODE, self.decode_workers,
                          self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
 

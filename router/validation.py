@@ -159,6 +159,7 @@ def validate_request(request: pb.GenerateRequest, limits: Limits, tokenizer: Pro
         seed=sampling.seed if sampling.HasField("seed") else None,
         stop_token_ids=stop_token_ids,
         ignore_eos=sampling.ignore_eos,
+        disable_speculation=sampling.disable_speculation,
     )
     return ValidatedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, stop=stop)
 

@@ -43,6 +43,27 @@ class Matmul:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return F.linear(x, self.weight)
 
+    # NOTE: the fused variants below run the pointwise op as a oneDNN post-op of the matmul, so a decode
+    # step pays one op (and one pass over the output) instead of two; elsewhere they are the plain ops.
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ weight.T)"""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "swish", [], "")
+        return F.silu(F.linear(x, self.weight))
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + other (a residual)"""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "add")
+        return torch.add(F.linear(x, self.weight), other)
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x @ weight.T) * other"""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "mul")
+        return torch.mul(F.linear(x, self.weight), other)
+
 
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -53,12 +74,15 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor  # [hidden]
-    qkv: Matmul  # [q_size + 2 * kv_size, hidden]
+    # NOTE: each RMSNorm's weight (times sqrt(hidden), see `unit_rms`) is folded into the columns of the
+    # matrices that read its output: W @ (g * x) == (W * g) @ x. A norm is then 4 small ops, not F.rms_norm's
+    # ~10 (it is a composite on CPU), and the weight multiply is gone.
+    qkv: Matmul  # [q_size + 2 * kv_size, hidden], attention norm folded in
     o: Matmul  # [hidden, q_size]
-    mlp_norm: torch.Tensor  # [hidden]
-    gate_up: Matmul  # [2 * intermediate, hidden]
+    gate: Matmul  # [intermediate, hidden], MLP norm folded in
+    up: Matmul  # [intermediate, hidden], MLP norm folded in
     down: Matmul  # [hidden, intermediate]
+    norm_bytes: int  # the two norm weights' bytes (what an unfused model reads; counted for the roofline)
 
 
 class LlamaForCausalLM:
@@ -73,36 +97,43 @@ class LlamaForCausalLM:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return state_dict[name].to(device=device, dtype=dtype)
 
-        def t(*names: str) -> Matmul:  # [out, in] matrices, fused along out
-            return Matmul(torch.cat([w(n) for n in names]))
+        def t(*names: str, norm: str | None = None) -> Matmul:
+            """[out, in] matrices, fused along out, with the RMSNorm `norm` (if any) folded into columns."""
+            m = torch.cat([state_dict[n].float() for n in _present(state_dict, *names)])
+            if norm is not None:
+                # in float32, then cast once: the folded weight rounds like one product, not two
+                m = m * (state_dict[norm].float() * config.hidden_size ** 0.5)
+            return Matmul(m.to(device=device, dtype=dtype).contiguous())
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in state_dict
-        self.lm_head = Matmul(self.embed if tied else w("lm_head.weight"))  # [vocab, hidden]
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head = t(head, norm="model.norm.weight")  # [vocab, hidden]
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
+            attn_norm, mlp_norm = p + "input_layernorm.weight", p + "post_attention_layernorm.weight"
             self.layers.append(LayerWeights(
-                attn_norm=w(p + "input_layernorm.weight"),
-                qkv=t(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+                qkv=t(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"), norm=attn_norm),
                 o=t(p + "self_attn.o_proj.weight"),
-                mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                gate=t(p + "mlp.gate_proj.weight", norm=mlp_norm),
+                up=t(p + "mlp.up_proj.weight", norm=mlp_norm),
                 down=t(p + "mlp.down_proj.weight"),
+                norm_bytes=2 * config.hidden_size * torch.empty((), dtype=dtype).element_size(),
             ))
+        self.norm_bytes = config.hidden_size * torch.empty((), dtype=dtype).element_size()
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
                                     dtype, device)
         self.scale = config.head_dim ** -0.5
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm]
         matrices = [self.lm_head]
+        norms = self.norm_bytes
         for layer in self.layers:
-            tensors += [layer.attn_norm, layer.mlp_norm]
-            matrices += [layer.qkv, layer.o, layer.gate_up, layer.down]
-        return sum(t.numel() * t.element_size() for t in tensors) + sum(m.nbytes for m in matrices)
+            matrices += [layer.qkv, layer.o, layer.gate, layer.up, layer.down]
+            norms += layer.norm_bytes
+        return self.embed.numel() * self.embed.element_size() + norms + sum(m.nbytes for m in matrices)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -110,13 +141,12 @@ class LlamaForCausalLM:
                 layer_hook: LayerHook | None = None) -> torch.Tensor:
         """input_ids, positions: [T] (the flattened batch); returns logits [len(logits_indices), vocab]."""
         c = self.config
-        eps = c.rms_norm_eps
+        eps = c.rms_norm_eps * c.hidden_size
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         T = h.shape[0]
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (c.hidden_size,), layer.attn_norm, eps)
-            qkv = layer.qkv(x)  # [T, q_size + 2 * kv_size]
+            qkv = layer.qkv(unit_rms(h, eps))  # [T, q_size + 2 * kv_size]
             qk = qkv[:, :c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
             qk = self.rope.rotate(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
@@ -125,9 +155,23 @@ class LlamaForCausalLM:
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             if layer_hook is not None:
                 layer_hook(i)
-            h = h + layer.o(attn.reshape(T, c.q_size))
-            x = F.rms_norm(h, (c.hidden_size,), layer.mlp_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        h = F.rms_norm(h[logits_indices], (c.hidden_size,), self.norm, eps)
-        return self.lm_head(h).float()
+            h = layer.o.add(attn.reshape(T, c.q_size), h)
+            x = unit_rms(h, eps)
+            h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)
+        return self.lm_head(unit_rms(h[logits_indices], eps)).float()
+
+
+def unit_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without its weight, scaled by 1/sqrt(hidden): h / sqrt(sum(h^2) + eps * hidden). The weight
+    and the sqrt(hidden) live in the next matrices (see `LayerWeights`); `eps` comes pre-multiplied."""
+    if h.dtype == torch.float32:
+        return h * torch.linalg.vecdot(h, h).unsqueeze(-1).add_(eps).rsqrt_()
+    x = h.float()  # bf16/fp16: the sum of squares in float32, as HF does
+    return (x * torch.linalg.vecdot(x, x).unsqueeze(-1).add_(eps).rsqrt_()).to(h.dtype)
+
+
+def _present(state_dict: dict[str, torch.Tensor], *names: str) -> tuple[str, ...]:
+    for n in names:
+        if n not in state_dict:
+            raise ValueError(f"checkpoint is missing tensor {n!r}")
+    return names

@@ -41,7 +41,8 @@ class RotaryEmbedding:
         self.half = head_dim // 2
         self.cos = emb.cos().to(dtype=dtype, device=device)
         # NOTE: HF rotates as x * cos + cat(-x2, x1) * sin. We compute roll(x) * sin_signed, i.e.
-        # cat(x2, x1) * cat(-sin1, sin2): the same products, bit for bit, in 4 ops per layer instead of 7.
+        # cat(x2, x1) * cat(-sin1, sin2): the same products in 3 ops per layer instead of 7
+        # (addcmul: the second product and the sum in one op).
         sin = emb.sin()
         sin[:, :self.half] *= -1
         self.sin_signed = sin.to(dtype=dtype, device=device)
@@ -52,4 +53,4 @@ class RotaryEmbedding:
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (q and k heads stacked is fine), rotated by `lookup`'s tables."""
-        return x * cos + x.roll(self.half, dims=-1) * sin_signed
+        return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin_signed)

@@ -30,7 +30,7 @@ def run_capturing_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
         for chunk, row in zip(out.chunks, logits):
             if chunk.end == chunk.request.num_tokens:  # a sampled position, not a partial prefill chunk
                 logits_by_req.setdefault(chunk.request.request_id, []).append(row.clone())
-        engine.scheduler.update(out, logits.argmax(-1).tolist())
+        engine.scheduler.update(out, [[t] for t in logits.argmax(-1).tolist()])
     return logits_by_req
 
 

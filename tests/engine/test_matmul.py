@@ -16,7 +16,8 @@ from tests.engine.helpers import make_engine, rel_err
 
 def test_every_cpu_fp32_weight_of_the_model_is_packed():
     model = make_engine().runner.model
-    matmuls = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    matmuls = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate,
+                                                                           layer.up, layer.down)]
     unpacked = [i for i, m in enumerate(matmuls) if not m.packed]
     assert not unpacked, (f"{len(unpacked)}/{len(matmuls)} weights fell back to F.linear: torch "
                           f"{torch.__version__} lacks the oneDNN linear ops (mkldnn available: "
@@ -30,7 +31,13 @@ def test_packed_matmul_equals_f_linear_for_every_batch_shape():
     assert m.packed
     for rows in (1, 3, 17):
         x = torch.randn(rows, 64, generator=gen)
-        assert rel_err(m(x), F.linear(x, weight)) < 1e-5
+        ref = F.linear(x, weight)
+        assert rel_err(m(x), ref) < 1e-5
+        other = torch.randn(rows, 96, generator=gen)
+        # the oneDNN post-op variants the decode step uses
+        assert rel_err(m.add(x, other), ref + other) < 1e-5
+        assert rel_err(m.mul(x, other), ref * other) < 1e-5
+        assert rel_err(m.silu(x), F.silu(ref)) < 1e-5
 
 
 def test_other_dtypes_take_f_linear():
@@ -39,3 +46,6 @@ def test_other_dtypes_take_f_linear():
     assert not m.packed
     x = torch.randn(2, 4, dtype=torch.bfloat16)
     assert torch.equal(m(x), F.linear(x, weight))
+    other = torch.randn(2, 8, dtype=torch.bfloat16)
+    assert torch.equal(m.add(x, other), F.linear(x, weight) + other)
+    assert torch.equal(m.silu(x), F.silu(F.linear(x, weight)))

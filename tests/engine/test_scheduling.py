@@ -28,7 +28,7 @@ def test_chunked_prefill_matches_one_pass(chunk):
         logits = engine.runner.execute(out)
         if out.chunks[0].end == req.num_tokens:
             steps.append(logits[0].clone())
-        engine.scheduler.update(out, logits.argmax(-1).tolist())
+        engine.scheduler.update(out, [[t] for t in logits.argmax(-1).tolist()])
     assert len(steps) == len(ref)
     for ours, want in zip(steps, ref):
         assert rel_err(ours, want) <= 1e-5
@@ -45,7 +45,7 @@ def test_prefix_cache_hit_computes_only_new_tokens_and_matches():
     assert req.num_cached_tokens == 48
     assert out.chunks[0].start == 48 and out.num_tokens == len(PROMPT) - 48
     logits = engine.runner.execute(out)
-    engine.scheduler.update(out, logits.argmax(-1).tolist())
+    engine.scheduler.update(out, [[t] for t in logits.argmax(-1).tolist()])
     rest = run_capturing_logits(engine)[req.request_id]
     ref = one_pass_logits(PROMPT, 4)
     for ours, want in zip([logits[0]] + rest, ref):
@@ -60,7 +60,7 @@ def test_whole_prompt_cached_still_computes_last_token():
     req = engine.add_request(PROMPT[:64], greedy(3, ignore_eos=True))
     out = engine.scheduler.schedule()
     assert req.num_cached_tokens == 48 and out.num_tokens == 16  # last block recomputed for its logits
-    engine.scheduler.update(out, engine.runner.execute(out).argmax(-1).tolist())
+    engine.scheduler.update(out, [[t] for t in engine.runner.execute(out).argmax(-1).tolist()])
     run_capturing_logits(engine)
     assert req.output_token_ids == _alone(PROMPT[:64], 3)
 
@@ -96,7 +96,7 @@ def test_preemption_under_block_pressure_recomputes_and_matches():
         out = engine.scheduler.schedule()
         preempted += len(out.preempted)
         if out.chunks:
-            engine.scheduler.update(out, engine.runner.execute(out).argmax(-1).tolist())
+            engine.scheduler.update(out, [[t] for t in engine.runner.execute(out).argmax(-1).tolist()])
     assert preempted > 0
     assert [r.output_token_ids for r in reqs] == want
     assert engine.allocator.num_used_blocks == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.messages import EngineLoad, KVMoveResult, LoadReport, WorkerInfo
+from engine.messages import EngineLoad, KVMoveResult, LoadReport, SpecCounts, WorkerInfo
 from engine.sampling_params import SamplingParams
 from router.metrics import Metrics
 from router.placement import PoolKind, WorkerLoad
@@ -18,8 +18,9 @@ def worker(worker_id: str, kind: PoolKind, node: str = "node-a", total: int = 10
     return Worker(info, None, WorkerLoad(worker_id, node, kind, free_blocks=total, total_blocks=total))
 
 
-def report(worker_id: str, running: int, waiting: int, free: int, total: int = 100) -> LoadReport:
-    return LoadReport(worker_id, EngineLoad(running, waiting, 0, free, total, 0))
+def report(worker_id: str, running: int, waiting: int, free: int, total: int = 100,
+           spec: SpecCounts | None = None) -> LoadReport:
+    return LoadReport(worker_id, EngineLoad(running, waiting, 0, free, total, 0, spec or SpecCounts()))
 
 
 def request(rid: str, prompt: int = 32) -> ValidatedRequest:
@@ -50,7 +51,7 @@ def drive_every_hook(m: Metrics) -> None:
     """One of everything: reports from both pools, transfers (one failed), streams ending each way."""
     p, d = worker("prefill-0", PoolKind.PREFILL), worker("decode-0", PoolKind.DECODE, node="node-b")
     m.on_report(p, report("prefill-0", 1, 2, 90))
-    m.on_report(d, report("decode-0", 3, 0, 40))
+    m.on_report(d, report("decode-0", 3, 0, 40, spec=SpecCounts(8, 5, 4, 9)))
     m.on_kv_transfer("prefill-0", "decode-0", 0.002, 4096, True)
     m.on_kv_transfer("prefill-0", "decode-0", 0.0, 0, False)
     for i, outcome in enumerate(("stop", "length", "cancelled", "error")):

@@ -30,6 +30,10 @@ EXPECTED = {
     "pdserve_num_requests_running": ("gauge", {"model", "pool", "worker", "node"}),
     "pdserve_num_requests_waiting": ("gauge", {"model", "pool", "worker", "node"}),
     "pdserve_kv_cache_usage_ratio": ("gauge", {"model", "pool", "worker", "node"}),
+    "pdserve_spec_draft_tokens": ("counter", {"model", "pool", "worker", "node"}),
+    "pdserve_spec_accepted_tokens": ("counter", {"model", "pool", "worker", "node"}),
+    "pdserve_decode_seq_steps": ("counter", {"model", "pool", "worker", "node"}),
+    "pdserve_decode_tokens": ("counter", {"model", "pool", "worker", "node"}),
     "pdserve_kv_transfer_seconds": ("histogram", {"model", "src", "dst"}),
     "pdserve_kv_transfer_bytes": ("counter", {"model", "src", "dst"}),
     "pdserve_kv_transfer_failures": ("counter", {"model", "src", "dst"}),
@@ -270,3 +274,18 @@ def test_migration_cause_labels_are_the_lifecycles_causes():
         for method in MIGRATION_METHODS:
             assert m.registry.get_sample_value("pdserve_request_migrations_total",
                                                {"model": MODEL, "cause": cause, "method": method}) == 0.0
+
+
+def test_speculation_counters_follow_cumulative_reports_and_ignore_stale_ones():
+    from engine.messages import SpecCounts
+
+    m = Metrics(MODEL)
+    d = worker("decode-0", PoolKind.DECODE)
+    labels = dict(pool="decode", worker="decode-0", node="node-a")
+    m.on_report(d, report("decode-0", 1, 0, 50, spec=SpecCounts(8, 5, 4, 9)))
+    m.on_report(d, report("decode-0", 1, 0, 50, spec=SpecCounts(6, 4, 3, 7)))  # an older snapshot, late
+    m.on_report(d, report("decode-0", 1, 0, 50, spec=SpecCounts(12, 6, 6, 13)))
+    assert value(m, "pdserve_spec_draft_tokens_total", **labels) == 12
+    assert value(m, "pdserve_spec_accepted_tokens_total", **labels) == 6
+    assert value(m, "pdserve_decode_seq_steps_total", **labels) == 6
+    assert value(m, "pdserve_decode_tokens_total", **labels) == 13

@@ -28,6 +28,7 @@ pytestmark = [
 MODEL = "tiny-random"
 PREFIX = [(13 * i + 7) % 250 for i in range(48)]  # 3 full blocks shared by half the prompts: prefix-cache hits
 NUM_LOAD = 24
+SPEC_PROMPT = [10, 11, 12, 13, 146, 14, 15, 16, 17, 13]
 NUM_CANCELLED = 4
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
@@ -77,8 +78,9 @@ def settle(prom: Prometheus, seen: Seen) -> None:
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, tmp_path_factory):
+    # NOTE: with speculation on, so the dashboard's speculative-decoding panels have data too
     with running_server(model=MODEL, prefill_workers=1, decode_workers=1, metrics_port=0,
-                        max_model_len=512) as server:
+                        max_model_len=512, speculative="ngram") as server:
         assert server.server.metrics_port
         prom = Prometheus(f"127.0.0.1:{server.server.metrics_port}", tmp_path_factory.mktemp("prometheus"))
         try:
@@ -112,6 +114,11 @@ def load(deployment) -> Load:
             requests.append(greedy_request(probe, 12, ignore_eos=True, stop=[stop]))
             continue
         prompt = (PREFIX if i % 2 else []) + [(37 * i + j) % 250 for j in range(5 + i % 7)]
+        if i == 2:
+            # tiny-random's first token here is 146, and (13, 146) occurs earlier in the prompt: drafts are
+            # proposed at its first decode step
+            requests.append(greedy_request(SPEC_PROMPT, 6, ignore_eos=True))
+            continue
         requests.append(greedy_request(prompt, 1 + i % 10, ignore_eos=i % 3 == 0))
     with ThreadPoolExecutor(6) as pool:
         list(pool.map(run, requests))

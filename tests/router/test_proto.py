@@ -107,6 +107,7 @@ CONTRACT: dict[str, dict[str, tuple[int, int, str, str | None]]] = {
         "stop": (6, T.TYPE_STRING, REP, None),
         "ignore_eos": (7, T.TYPE_BOOL, SINGULAR, None),
         "stop_token_ids": (8, T.TYPE_UINT32, REP, None),
+        "disable_speculation": (9, T.TYPE_BOOL, SINGULAR, None),
     },
     "GenerateResponse": {
         "request_id": (1, T.TYPE_STRING, SINGULAR, None),

@@ -158,7 +158,7 @@ def test_defaults() -> None:
     assert v.prompt_token_ids == [ord(c) for c in "hello"] and v.num_prompt_tokens == 5
     p = v.params
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos, p.stop_token_ids) == (1.0, 1.0, 0, None, False, ())
-    assert p.max_tokens == LIMITS.default_max_tokens
+    assert p.max_tokens == LIMITS.default_max_tokens and not p.disable_speculation
     assert v.stop == ()
     assert v.request_id == "assigned"
 
@@ -175,13 +175,13 @@ def test_max_tokens_that_exactly_fills_the_context_is_accepted() -> None:
 def test_explicit_values_pass_through() -> None:
     v = validate(req(ids=[0, 999, 5], request_id="req-1:A/b", max_tokens=7, temperature=0.7, top_p=0.9,
                      top_k=1000, seed=2**64 - 1, ignore_eos=True, stop=["\n\n", "END", "\n\n"],
-                     stop_token_ids=[2, 2, 0]))
+                     stop_token_ids=[2, 2, 0], disable_speculation=True))
     assert v.request_id == "req-1:A/b"
     assert v.prompt_token_ids == [0, 999, 5]
     p = v.params
     # float32 on the wire, read back as the decimal the client wrote
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (7, 0.7, 0.9, 1000, 2**64 - 1)
-    assert p.ignore_eos and p.stop_token_ids == (2, 0)
+    assert p.ignore_eos and p.stop_token_ids == (2, 0) and p.disable_speculation
     assert v.stop == ("\n\n", "END")
 
 

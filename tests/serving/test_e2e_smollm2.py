@@ -52,3 +52,40 @@ def test_greedy_output_equals_the_engine_token_for_token(ray_cluster, reference,
             assert last.timing.placement == want_placement
         reports = server.wait_idle()
         assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
+
+
+SPEC_PROMPTS = PROMPTS + [
+    "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    "Here it is again:\n",
+    "Quote it three times: 'the quick brown fox jumps over the lazy dog'. The quick",
+]
+
+
+@pytest.mark.parametrize("layout", [
+    {"prefill_workers": 1, "decode_workers": 1},
+    {"prefill_workers": 0, "decode_workers": 0, "colocated_workers": 1},
+], ids=["1P1D", "colocated"])
+def test_speculative_greedy_output_equals_the_engine_and_is_counted(ray_cluster, layout):
+    llm = LLM("smollm2-135m", num_blocks=64)
+    want = [o.token_ids for o in llm.generate(SPEC_PROMPTS, SamplingParams(max_tokens=32, temperature=0))]
+    with running_server(model="smollm2-135m", num_blocks=128, speculative="ngram", num_speculative_tokens=4,
+                        **layout) as server:
+        # concurrently, so speculating sequences share steps with each other and with one that opted out
+        requests = [greedy_request(p, 32, disable_speculation=i == 0) for i, p in enumerate(SPEC_PROMPTS)]
+        with ThreadPoolExecutor(len(SPEC_PROMPTS)) as pool:
+            results = list(pool.map(server.generate, requests))
+        for prompt, ids, responses in zip(SPEC_PROMPTS, want, results):
+            assert token_ids(responses) == ids, prompt
+            assert responses[-1].usage.completion_tokens == len(ids)
+        reports = server.wait_idle()
+        assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
+        registry = server.server.metrics.registry
+        pool = "colocated" if "colocated_workers" in layout else "decode"
+
+        def total(name: str) -> float:
+            return sum(s.value for fam in registry.collect() for s in fam.samples
+                       if s.name == name and s.labels.get("pool") == pool)
+
+        assert total("pdserve_spec_accepted_tokens_total") > 0
+        assert 0 < total("pdserve_spec_accepted_tokens_total") <= total("pdserve_spec_draft_tokens_total")
+        assert total("pdserve_decode_tokens_total") > total("pdserve_decode_seq_steps_total")
