@@ -557,43 +557,23 @@ class Router:
                 if opt.decode in full:
                     continue
                 decode = att.decode = self.workers[opt.decode]
-                # NOTE: counted from the moment of choice until its next report, so a burst spreads out
-                decode.load = dataclasses.replace(decode.load, num_running=decode.load.num_running + 1,
-                                                  free_blocks=max(0, decode.load.free_blocks - need))
                 if opt.path is Path.LOCAL:
+                    # NOTE: counted from the moment of choice until its next report, so a burst spreads out
+                    decode.load = dataclasses.replace(decode.load, num_running=decode.load.num_running + 1,
+                                                      free_blocks=max(0, decode.load.free_blocks - need))
                     att.prefill = decode
                     return Path.LOCAL
                 prefill = self._take_prefill(att, self.workers[opt.prefill], opt.prefill_cached_blocks)
                 try:
-                    reservation = await decode.client.reserve(att.key, att.prompt, att.params, prefill.worker_id,
-                                                              self.config.call_timeout_s)
-                except WorkerError as e:
-                    self._call_failed(decode, e, Cause.DECODE_LOST)
-                    self._abort_soon(decode, att.key)  # it may have reserved before timing out
-                    reservation = None
-                    logger.warning("reserve on %s failed: %s", decode.worker_id, e)
-                except BaseException:
-                    prefill.inflight_prefill_tokens -= att.prefill_tokens
-                    raise
-                if reservation is not None and decode.alive and prefill.alive:
-                    att.reservation = reservation
+                    att.reservation = await self._try_reserve(att, decode, prefill, need)
+                finally:
+                    if att.reservation is None:
+                        prefill.inflight_prefill_tokens -= att.prefill_tokens
+                if att.reservation is not None:
                     return Path.REMOTE
-                prefill.inflight_prefill_tokens -= att.prefill_tokens
-                if reservation is not None:  # one of the two was lost during the call
-                    self._abort_soon(decode, att.key)
-                else:
-                    decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
                 full.add(decode.worker_id)
                 att.forget_placement()
-            if self.num_queued >= self.config.max_queue:
-                raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
-                                  f"the admission queue is full ({self.config.max_queue} waiting); retry later")
-            self.num_queued += 1
-            try:
-                await self._wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV "
-                                      f"blocks within {self.config.admission_timeout_s:.0f}s; retry later")
-            finally:
-                self.num_queued -= 1
+            await self._queue_for_room(need, deadline)
 
     async def _choose_prefill(self, att: Attempt) -> PrefillChoice:
         """A live prefill (or colocated) worker for the attempt's prompt, waiting for one while none is alive."""
@@ -639,39 +619,52 @@ class Router:
                 tried.add(wid)
                 # NOTE: named before the call, so a cancel or timeout mid-call still aborts what it reserved
                 decode = att.decode = self.workers[wid]
-                # NOTE: counted from the moment of choice until the worker's next report, so a burst of requests
-                # placed together spreads over the pool (a new worker takes its share at once)
-                decode.load = dataclasses.replace(decode.load, num_running=decode.load.num_running + 1,
-                                                  free_blocks=max(0, decode.load.free_blocks - need))
-                try:
-                    reservation = await decode.client.reserve(att.key, att.prompt, att.params,
-                                                              prefill.worker_id, self.config.call_timeout_s)
-                except WorkerError as e:
-                    self._call_failed(decode, e, Cause.DECODE_LOST)
-                    self._abort_soon(decode, att.key)  # it may have reserved before timing out
-                    att.forget_decode()
-                    logger.warning("reserve on %s failed: %s", wid, e)
-                    continue
-                if reservation is not None and decode.alive and prefill.alive:
+                reservation = await self._try_reserve(att, decode, prefill, need)
+                if reservation is not None:
                     return decode, reservation
-                if reservation is not None:  # one of the two was lost during the call
-                    self._abort_soon(decode, att.key)
-                else:
-                    decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
                 att.forget_decode()
-            if self.num_queued >= self.config.max_queue:
-                raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
-                                  f"the admission queue is full ({self.config.max_queue} waiting); retry later")
-            self.num_queued += 1
             # NOTE: a prompt waiting for decode room is not in the prefill worker's queue: don't count it there
             prefill.inflight_prefill_tokens -= att.prefill_tokens
             try:
-                await self._wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV "
-                                      f"blocks within "
-                                      f"{self.config.admission_timeout_s:.0f}s; retry later")
+                await self._queue_for_room(need, deadline)
             finally:
-                self.num_queued -= 1
                 prefill.inflight_prefill_tokens += att.prefill_tokens
+
+    async def _try_reserve(self, att: Attempt, decode: Worker, prefill: Worker, need: int) -> Reservation | None:
+        """Reserve the attempt's `need` blocks on `decode` for a prefill on `prefill`. None when the worker is
+        full, the call failed, or either worker was lost meanwhile: whatever it may have reserved is given back."""
+        # NOTE: counted from the moment of choice until the worker's next report, so a burst of requests placed
+        # together spreads over the pool (a new worker takes its share at once)
+        decode.load = dataclasses.replace(decode.load, num_running=decode.load.num_running + 1,
+                                          free_blocks=max(0, decode.load.free_blocks - need))
+        try:
+            reservation = await decode.client.reserve(att.key, att.prompt, att.params, prefill.worker_id,
+                                                      self.config.call_timeout_s)
+        except WorkerError as e:
+            self._call_failed(decode, e, Cause.DECODE_LOST)
+            self._abort_soon(decode, att.key)  # it may have reserved before timing out
+            logger.warning("reserve on %s failed: %s", decode.worker_id, e)
+            return None
+        if reservation is not None and decode.alive and prefill.alive:
+            return reservation
+        if reservation is not None:  # one of the two was lost during the call
+            self._abort_soon(decode, att.key)
+        else:
+            decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
+        return None
+
+    async def _queue_for_room(self, need: int, deadline: float) -> None:
+        """Wait in the bounded admission queue until blocks may have been freed; RESOURCE_EXHAUSTED at once when
+        the queue is full, or past `deadline`."""
+        if self.num_queued >= self.config.max_queue:
+            raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
+                              f"the admission queue is full ({self.config.max_queue} waiting); retry later")
+        self.num_queued += 1
+        try:
+            await self._wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV "
+                                  f"blocks within {self.config.admission_timeout_s:.0f}s; retry later")
+        finally:
+            self.num_queued -= 1
 
     @staticmethod
     def _check_fits(need: int, workers: list[Worker], pool: str) -> None:
@@ -809,7 +802,6 @@ class Router:
         task.add_done_callback(self._tasks.discard)
         return task
 
-
     # -- draining ---------------------------------------------------------------------------------------
 
     def holds_work(self, worker: Worker) -> bool:
@@ -893,27 +885,25 @@ class Router:
                     if new.reservation is None:
                         return None
                     result = await src.client.send_kv(att.key, new.key, new.reservation, timeout)
-                    move = KVMove(state.id, src.worker_id, dst.worker_id, len(new.prompt), result)
                     self.observer.on_kv_move(src.worker_id, dst.worker_id, result)
-                    if not result.ok:
-                        logger.warning("KV move of %s from %s to %s failed: %s", state.id, src.worker_id,
-                                       dst.worker_id, result.error)
-                        self.kv_moves.append(move)
-                        return None
-                    if not await dst.client.start(new.key, state.generated[-1], timeout):
-                        self.kv_moves.append(move)
-                        return None
-                    if self.config.verify_kv_moves:
-                        move = dataclasses.replace(
-                            move, src_digest=await src.client.kv_digest(att.key, len(new.prompt), timeout),
-                            dst_digest=await dst.client.kv_digest(new.key, len(new.prompt), timeout))
-                        self.kv_moves.append(move)
-                        if move.src_digest != move.dst_digest:
-                            logger.error("KV move of %s from %s to %s: the KV differs from its source", state.id,
-                                         src.worker_id, dst.worker_id)
+                    move = KVMove(state.id, src.worker_id, dst.worker_id, len(new.prompt), result)
+                    try:
+                        if not result.ok:
+                            logger.warning("KV move of %s from %s to %s failed: %s", state.id, src.worker_id,
+                                           dst.worker_id, result.error)
                             return None
-                    else:
-                        self.kv_moves.append(move)
+                        if not await dst.client.start(new.key, state.generated[-1], timeout):
+                            return None
+                        if self.config.verify_kv_moves:
+                            move = dataclasses.replace(
+                                move, src_digest=await src.client.kv_digest(att.key, len(new.prompt), timeout),
+                                dst_digest=await dst.client.kv_digest(new.key, len(new.prompt), timeout))
+                            if move.src_digest != move.dst_digest:
+                                logger.error("KV move of %s from %s to %s: the KV differs from its source",
+                                             state.id, src.worker_id, dst.worker_id)
+                                return None
+                    finally:
+                        self.kv_moves.append(move)  # every move that sent its KV, whatever came of it
             except (WorkerError, TimeoutError) as e:
                 if isinstance(e, WorkerError):
                     self._call_failed(self.workers[e.worker_id], e, Cause.WORKER_ERROR)
