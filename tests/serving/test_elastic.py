@@ -53,6 +53,24 @@ def _metric(server, name: str, **labels) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def test_refused_admin_calls_name_the_field_and_change_nothing(server):
+    for call, request, code, words in (
+            (server.admin.ScalePool, admin.ScalePoolRequest(pool=pb.POOL_KIND_DECODE, num_workers=0),
+             grpc.StatusCode.INVALID_ARGUMENT, "num_workers"),
+            (server.admin.ScalePool, admin.ScalePoolRequest(pool=pb.POOL_KIND_COLOCATED, num_workers=2),
+             grpc.StatusCode.INVALID_ARGUMENT, "pool"),
+            (server.admin.DrainWorker, admin.DrainWorkerRequest(worker_id="decode-9"),
+             grpc.StatusCode.NOT_FOUND, "worker_id"),
+            (server.admin.DrainWorker, admin.DrainWorkerRequest(), grpc.StatusCode.INVALID_ARGUMENT, "worker_id"),
+            (server.admin.DrainWorker, admin.DrainWorkerRequest(worker_id="prefill-0"),
+             grpc.StatusCode.FAILED_PRECONDITION, "last serving prefill")):
+        with pytest.raises(grpc.RpcError) as e:
+            call(request, timeout=30)
+        assert e.value.code() == code and words in e.value.details(), (code, e.value.details())
+    pools = {p.pool: (p.target, p.serving) for p in server.admin.ListWorkers(admin.ListWorkersRequest()).pools}
+    assert pools == {pb.POOL_KIND_PREFILL: (1, 1), pb.POOL_KIND_DECODE: (2, 2)}
+
+
 def test_draining_a_decode_worker_moves_its_sequences_kv_and_every_stream_goes_on_exactly(server, references):
     results: dict[str, list[pb.GenerateResponse]] = {}
     started = threading.Barrier(NUM_STREAMS + 1)
