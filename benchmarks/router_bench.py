@@ -52,7 +52,7 @@ def _fake_worker_classes():
         async def ping(self, timeout):
             return Heartbeat(self.worker_id, 0.0, False, True)
 
-        async def report(self, timeout):
+        async def report(self, since, timeout):
             return LoadReport(self.worker_id, EngineLoad(0, 0, 0, 1 << 20, 1 << 20, 0))
 
         async def prefill(self, key, prompt, params, reservation):
@@ -74,6 +74,9 @@ def _fake_worker_classes():
 
         async def abort(self, key, timeout):
             pass
+
+        async def release_router(self, router_id, timeout):
+            return 0
 
         async def pause(self, key, timeout):
             pass
@@ -157,8 +160,9 @@ def _fake_worker_classes():
     return Prefill, Decode
 
 
-def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | None = None) -> None:
-    """The process under test: router + gRPC door + metrics over fake workers."""
+def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | None = None, port: int = 0) -> None:
+    """The process under test: router + gRPC door + metrics over fake workers. `port` 0: any free port;
+    another replica's port: share it (SO_REUSEPORT, gRPC's default on Linux)."""
 
     async def main() -> None:
         import grpc
@@ -188,9 +192,9 @@ def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | Non
         servicer.router = router
         server = grpc.aio.server()
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
-        port_q.put(port)
+        port_q.put(bound)
         while not stop_ev.is_set():
             await asyncio.sleep(0.1)
         await server.stop(None)
@@ -215,8 +219,10 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _client_process(port: int, streams: int, tokens: int, duration_s: float, out_q: mp.Queue) -> None:
-    """Keep `streams` streams open for `duration_s`; report every request's TTFT and gaps."""
+def _client_process(port: int, streams: int, tokens: int, duration_s: float, out_q: mp.Queue,
+                    connections: int = 1) -> None:
+    """Keep `streams` streams open for `duration_s` over `connections` TCP connections (the kernel hands each
+    to one router replica); report every request's TTFT and gaps."""
 
     async def main() -> None:
         import grpc
@@ -226,33 +232,38 @@ def _client_process(port: int, streams: int, tokens: int, duration_s: float, out
 
         ttfts, itls, done = [], [], 0
         deadline = time.monotonic() + duration_s
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = pb_grpc.GenerationStub(ch)
+        # NOTE: gRPC shares one connection between channels to one address unless each has its own pool
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(connections)]
+        stubs = [pb_grpc.GenerationStub(ch) for ch in channels]
 
-            async def one_client(c: int) -> None:
-                nonlocal done
-                n = 0
-                while time.monotonic() < deadline:
-                    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[100 + c, 200 + n % 50, 300]),
-                                             sampling=pb.SamplingParams(max_tokens=tokens, temperature=0,
-                                                                        ignore_eos=True))
-                    n += 1
-                    t0 = last = time.perf_counter()
-                    first = True
-                    async for r in stub.Generate(req, timeout=120):
-                        now = time.perf_counter()
-                        k = len(r.token_ids)
-                        if k:  # a message of k tokens: one gap, then k - 1 that arrived together
-                            if first:
-                                ttfts.append(now - t0)
-                                itls.extend([0.0] * (k - 1))
-                                first = False
-                            else:
-                                itls.extend([now - last] + [0.0] * (k - 1))
-                            last = now
-                    done += 1
+        async def one_client(c: int) -> None:
+            nonlocal done
+            stub = stubs[c % len(stubs)]
+            n = 0
+            while time.monotonic() < deadline:
+                req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[100 + c, 200 + n % 50, 300]),
+                                         sampling=pb.SamplingParams(max_tokens=tokens, temperature=0,
+                                                                    ignore_eos=True))
+                n += 1
+                t0 = last = time.perf_counter()
+                first = True
+                async for r in stub.Generate(req, timeout=120):
+                    now = time.perf_counter()
+                    k = len(r.token_ids)
+                    if k:  # a message of k tokens: one gap, then k - 1 that arrived together
+                        if first:
+                            ttfts.append(now - t0)
+                            itls.extend([0.0] * (k - 1))
+                            first = False
+                        else:
+                            itls.extend([now - last] + [0.0] * (k - 1))
+                        last = now
+                done += 1
 
-            await asyncio.gather(*(one_client(c) for c in range(streams)))
+        await asyncio.gather(*(one_client(c) for c in range(streams)))
+        for ch in channels:
+            await ch.close()
         out_q.put((ttfts, itls, done))
 
     asyncio.run(main())
@@ -266,28 +277,37 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(concurrency: int, tokens: int, step_s: float, duration_s: float, clients: int = 2,
-        profile: str | None = None) -> dict:
+        profile: str | None = None, routers: int = 1) -> dict:
+    """One row: `routers` router processes sharing one port (each over its own fake workers: this measures
+    relaying, the e2e tests prove the shared pools), `clients` client processes."""
     ctx = mp.get_context("spawn")
     port_q, out_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
-    router = ctx.Process(target=_router_process, args=(port_q, stop_ev, step_s, profile), daemon=True)
-    router.start()
-    port = port_q.get(timeout=120)
+    procs_r, port = [], 0
+    for i in range(routers):
+        r = ctx.Process(target=_router_process, args=(port_q, stop_ev, step_s, profile if i == 0 else None, port),
+                        daemon=True)
+        r.start()
+        port = port_q.get(timeout=120)
+        procs_r.append(r)
     per = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
-    procs = [ctx.Process(target=_client_process, args=(port, n, tokens, duration_s, out_q), daemon=True)
-             for n in per if n]
-    cpu0, t0 = _cpu_seconds(router.pid), time.monotonic()
+    # NOTE: several connections per client once there are replicas, so the kernel spreads the streams
+    connections = 1 if routers == 1 else min(8 * routers, max(1, concurrency // clients))
+    procs = [ctx.Process(target=_client_process, args=(port, n, tokens, duration_s, out_q, connections),
+                         daemon=True) for n in per if n]
+    cpu0, t0 = sum(_cpu_seconds(r.pid) for r in procs_r), time.monotonic()
     for p in procs:
         p.start()
     results = [out_q.get(timeout=duration_s + 300) for _ in procs]
-    wall, cpu = time.monotonic() - t0, _cpu_seconds(router.pid) - cpu0
+    wall, cpu = time.monotonic() - t0, sum(_cpu_seconds(r.pid) for r in procs_r) - cpu0
     for p in procs:
         p.join(30)
     stop_ev.set()
-    router.join(30)
+    for r in procs_r:
+        r.join(30)
     ttfts = [x for r in results for x in r[0]]
     itls = [x for r in results for x in r[1]]
     relayed = len(ttfts) + len(itls)
-    return {"concurrency": concurrency, "tokens_per_request": tokens, "step_ms": step_s * 1e3,
+    return {"routers": routers, "concurrency": concurrency, "tokens_per_request": tokens, "step_ms": step_s * 1e3,
             "requests": sum(r[2] for r in results), "relayed_tokens": relayed, "wall_s": wall,
             "tokens_per_s": relayed / wall, "router_cpu_s": cpu,
             "router_cpu_ms_per_token": cpu / relayed * 1e3 if relayed else float("nan"),
@@ -303,28 +323,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200, help="tokens per request")
     ap.add_argument("--step-ms", type=float, default=10.0, help="the fake decode worker's step time")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of load per concurrency")
+    ap.add_argument("--routers", type=int, nargs="+", default=[1],
+                    help="router replicas sharing the port; several values run side by side, interleaved "
+                         "ABBA per concurrency (e.g. --routers 1 2)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="cProfile the router process (the last concurrency's run) into FILE (pstats)")
     args = ap.parse_args(argv)
     rows = []
+    # ABBA over the router counts: a drift of the shared machine during the run falls on both alike
+    order = args.routers if len(args.routers) == 1 else args.routers + args.routers[::-1]
     for c in args.concurrency:
-        print(f"concurrency {c}: {args.duration:.0f}s of load...", file=sys.stderr, flush=True)
-        last = c == args.concurrency[-1]
-        rows.append(run(c, args.tokens, args.step_ms / 1e3, args.duration, profile=args.profile if last else None))
-        r = rows[-1]
-        print(f"  {r['tokens_per_s']:.0f} tokens/s, router {r['router_cpu_ms_per_token']:.3f} CPU-ms/token "
-              f"({r['router_cores']:.2f} cores), TTFT p50 {r['ttft_ms']['p50']:.1f} ms, ITL p50 "
-              f"{r['itl_ms']['p50']:.1f} ms (+{r['itl_added_ms_p50']:.1f})", file=sys.stderr, flush=True)
+        for n in order:
+            print(f"concurrency {c}, {n} router(s): {args.duration:.0f}s of load...", file=sys.stderr, flush=True)
+            last = c == args.concurrency[-1]
+            rows.append(run(c, args.tokens, args.step_ms / 1e3, args.duration,
+                            profile=args.profile if last else None, routers=n))
+            r = rows[-1]
+            print(f"  {r['tokens_per_s']:.0f} tokens/s, routers {r['router_cpu_ms_per_token']:.3f} CPU-ms/token "
+                  f"({r['router_cores']:.2f} cores), TTFT p50 {r['ttft_ms']['p50']:.1f} ms, ITL p50 "
+                  f"{r['itl_ms']['p50']:.1f} ms (+{r['itl_added_ms_p50']:.1f})", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print("| streams | tokens/s | router CPU ms/token | router cores | TTFT p50/p99 ms | ITL p50/p99 ms |")
-        print("|---|---|---|---|---|---|")
+        print("| routers | streams | tokens/s | router CPU ms/token | router cores | TTFT p50/p99 ms | ITL p50/p99 ms |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['concurrency']} | {r['tokens_per_s']:.0f} | {r['router_cpu_ms_per_token']:.3f} | "
-                  f"{r['router_cores']:.2f} | {r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} | "
-                  f"{r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} |")
+            print(f"| {r['routers']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | "
+                  f"{r['router_cpu_ms_per_token']:.3f} | {r['router_cores']:.2f} | {r['ttft_ms']['p50']:.1f} / "
+                  f"{r['ttft_ms']['p99']:.1f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} |")
     return 0
 
 

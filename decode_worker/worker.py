@@ -49,6 +49,7 @@ from engine.messages import (
     TokenDelta,
     WorkerInfo,
     node_identity,
+    owner_of,
 )
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -96,12 +97,13 @@ class DecodeWorker:
         self.pending: dict[str, _Pending] = {}
         self.held: set[str] = set()  # sequences held for a move: backpressure's resume leaves them paused
         self.moves: dict[str, _Move] = {}  # by the destination's attempt key
-        self._outbox: asyncio.Queue[StepOutput] | None = None
-        self._outbox_loop: asyncio.AbstractEventLoop | None = None
-        # NOTE: steps produced before the router subscribes (a request can reach a fresh worker first)
+        # each router replica's step stream, by its id ("" for a lone router): (its loop, its queue)
+        self._outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StepOutput]]] = {}
+        # NOTE: steps produced before their router subscribes (a request can reach a fresh worker first)
         # wait here instead of being dropped: a dropped step is a missing token
         self._outbox_lock = threading.Lock()
-        self._early: list[StepOutput] = []
+        self._early: dict[str, list[StepOutput]] = {}
+        self._released: set[str] = set()  # router replicas gone: their late tokens go nowhere
         self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, on_fail=self._fail_transfers,
                                name=f"{worker_id}-loop")
         self.loop.start()
@@ -116,19 +118,43 @@ class DecodeWorker:
         return Heartbeat(self.worker_id, time.monotonic() - self.loop.last_progress, self.loop.busy,
                          self.loop.alive)
 
-    async def report(self) -> LoadReport:
-        return await asyncio.wrap_future(self.loop.call(self._report))
+    async def report(self, since: int = -1) -> LoadReport:
+        """Load, and the prefix-cache changes after change number `since` (see `CacheEventLog`)."""
+        return await asyncio.wrap_future(self.loop.call(lambda: self.engine.load_report(self.worker_id, since)))
 
-    async def stream_steps(self) -> AsyncIterator[StepOutput]:
-        """One message per engine step, forever (the router holds one such stream per worker)."""
+    async def stream_steps(self, router_id: str = "") -> AsyncIterator[StepOutput]:
+        """One message per engine step, forever, carrying the tokens of the attempts router replica
+        `router_id` owns (`owner_of` their keys) and the load. Each replica holds one such stream per worker;
+        subscribing again replaces the replica's previous stream."""
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         with self._outbox_lock:
-            self._outbox_loop, self._outbox = asyncio.get_running_loop(), queue
-            early, self._early = self._early, []
-        for out in early:
-            yield out
-        while True:
-            yield await queue.get()
+            self._outboxes[router_id] = (asyncio.get_running_loop(), queue)
+            early = self._early.pop(router_id, [])
+        try:
+            for out in early:
+                yield out
+            while True:
+                yield await queue.get()
+        finally:
+            with self._outbox_lock:
+                if self._outboxes.get(router_id, (None, None))[1] is queue:
+                    del self._outboxes[router_id]
+
+    async def release_router(self, router_id: str) -> int:
+        """A router replica is gone: free everything its attempts hold here (its clients' connections went
+        with it). Returns how many attempts were freed."""
+
+        def release() -> int:
+            with self._outbox_lock:
+                self._outboxes.pop(router_id, None)
+                self._early.pop(router_id, None)
+                self._released.add(router_id)
+            keys = {k for k in (*self.pending, *self.engine.scheduler.requests) if owner_of(k) == router_id}
+            for key in keys:
+                self._abort(key)
+            return len(keys)
+
+        return await asyncio.wrap_future(self.loop.call(release))
 
     # -- disaggregated ----------------------------------------------------------------------------------
 
@@ -278,17 +304,7 @@ class DecodeWorker:
     async def abort(self, request_id: str) -> None:
         """Free whatever the request holds here; a no-op for unknown or finished requests."""
 
-        def abort() -> None:
-            # NOTE: the transfer is failed before the blocks are freed, so no late layer lands in them
-            if self.pending.pop(request_id, None) is not None and self.receiver is not None:
-                self.receiver.abort(request_id)
-            if request_id in self.held:  # a move still reading its blocks ends before they are freed
-                self.held.discard(request_id)
-                for dst_key in [k for k, m in self.moves.items() if m.src == request_id]:
-                    self.sender.abort(dst_key, "the moved sequence was aborted at its source")
-            self.engine.scheduler.abort(request_id)
-
-        await asyncio.wrap_future(self.loop.call(abort))
+        await asyncio.wrap_future(self.loop.call(lambda: self._abort(request_id)))
 
     async def describe(self) -> dict:
         """What this worker holds right now (for debugging and operators)."""
@@ -314,6 +330,16 @@ class DecodeWorker:
         return load
 
     # -- on the loop thread -----------------------------------------------------------------------------
+
+    def _abort(self, request_id: str) -> None:
+        # NOTE: the transfer is failed before the blocks are freed, so no late layer lands in them
+        if self.pending.pop(request_id, None) is not None and self.receiver is not None:
+            self.receiver.abort(request_id)
+        if request_id in self.held:  # a move still reading its blocks ends before they are freed
+            self.held.discard(request_id)
+            for dst_key in [k for k, m in self.moves.items() if m.src == request_id]:
+                self.sender.abort(dst_key, "the moved sequence was aborted at its source")
+        self.engine.scheduler.abort(request_id)
 
     def _request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         return Request(request_id, prompt_token_ids, params, self.engine.cache_spec.block_size,
@@ -372,17 +398,27 @@ class DecodeWorker:
             lambda: move.future.done() or move.future.set_result(outcome))
 
     def _on_step(self, out: StepOutput) -> None:
+        """Send the step to the router replicas: each gets its own attempts' tokens, and every one the load."""
         with self._outbox_lock:
-            if self._outbox is None:
-                self._early.append(out)
+            outboxes = dict(self._outboxes)
+        if len(outboxes) == 1 and not self._early:  # the usual case, one router: the step as it is
+            (owner, (loop, queue)), = outboxes.items()
+            if all(owner_of(d.request_id) == owner for d in out.deltas):
+                loop.call_soon_threadsafe(queue.put_nowait, out)
                 return
-            loop, queue = self._outbox_loop, self._outbox
-        loop.call_soon_threadsafe(queue.put_nowait, out)
+        by_owner: dict[str, list[TokenDelta]] = {owner: [] for owner in outboxes}
+        for d in out.deltas:
+            by_owner.setdefault(owner_of(d.request_id), []).append(d)
+        with self._outbox_lock:
+            for owner, deltas in by_owner.items():
+                part = StepOutput(out.step, out.time, deltas, out.load)
+                if owner in self._outboxes:
+                    loop, queue = self._outboxes[owner]
+                    loop.call_soon_threadsafe(queue.put_nowait, part)
+                elif deltas and owner not in self._released:  # not subscribed yet: kept for its stream
+                    self._early.setdefault(owner, []).append(part)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
         self._on_step(StepOutput(0, time.time(), deltas, self.engine.load()))
 
-    def _report(self) -> LoadReport:
-        events = self.engine.allocator.drain_events()
-        return LoadReport(self.worker_id, self.engine.load(), events.stored, events.removed)
 

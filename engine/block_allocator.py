@@ -10,18 +10,52 @@ Running out of blocks is a normal outcome: `allocate` returns None and changes n
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from engine.block_hash import BlockHash
+
+# prefix-cache changes kept for readers that lag (a router replica between two reports): beyond this, a
+# reader gets the whole cache instead
+EVENT_LOG_CAPACITY = 1 << 16
 
 
 @dataclass
 class CacheEvents:
-    """Block hashes that entered or left the prefix cache since the last drain (for the router's index)."""
+    """The prefix-cache changes after sequence number `since` up to `seq` (for a router's index): block hashes
+    that entered or left the cache. With `full`, `stored` is the whole cache as of `seq` instead: the changes
+    the reader asked for were no longer kept."""
 
     stored: list[BlockHash] = field(default_factory=list)
     removed: list[BlockHash] = field(default_factory=list)
+    since: int = 0
+    seq: int = 0
+    full: bool = False
+
+
+class CacheEventLog:
+    """Every prefix-cache change, numbered from 1, the last `capacity` of them kept.
+
+    NOTE: readers keep their own cursor (several router replicas read one worker's log, each at its own
+    pace), so reading never consumes: a reader that missed changes asks again from its cursor, and one that
+    fell further behind than the log reaches gets a full snapshot and resyncs."""
+
+    def __init__(self, capacity: int = EVENT_LOG_CAPACITY) -> None:
+        self.seq = 0  # the last change's number
+        self._log: deque[tuple[BlockHash, bool]] = deque(maxlen=capacity)  # (hash, stored?)
+
+    def append(self, block_hash: BlockHash, stored: bool) -> None:
+        self.seq += 1
+        self._log.append((block_hash, stored))
+
+    def since(self, seq: int) -> list[tuple[BlockHash, bool]] | None:
+        """The changes numbered after `seq`, oldest first; None when the log no longer holds them all (or
+        `seq` is not one of its numbers)."""
+        n = self.seq - seq
+        if seq < 0 or n < 0 or n > len(self._log):
+            return None
+        return list(islice(self._log, len(self._log) - n, None))
 
 
 class BlockAllocator:
@@ -35,7 +69,7 @@ class BlockAllocator:
         # NOTE: an OrderedDict as an O(1) LRU queue: head = evicted first, and cached blocks can be taken
         # out of the middle when a new sequence reuses them.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.events = CacheEvents()
+        self.events = CacheEventLog()
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,23 +141,28 @@ class BlockAllocator:
             return  # the same prefix computed twice concurrently: keep the first copy cached
         self.block_hashes[block] = block_hash
         self.cached[block_hash] = block
-        self.events.stored.append(block_hash)
+        self.events.append(block_hash, True)
 
     def reset_cache(self) -> None:
         """Forget every cached prefix whose block is free."""
         for block in list(self.free_queue):
             self._evict(block)
 
-    def drain_events(self) -> CacheEvents:
-        events, self.events = self.events, CacheEvents()
-        return events
+    def changes_since(self, seq: int) -> CacheEvents:
+        """The cache changes after change number `seq` (-1: none seen yet), or the whole cache when the log
+        no longer holds them."""
+        changes = self.events.since(seq)
+        if changes is None:
+            return CacheEvents(list(self.cached), [], seq, self.events.seq, full=True)
+        return CacheEvents([h for h, stored in changes if stored], [h for h, stored in changes if not stored],
+                           seq, self.events.seq)
 
     def _evict(self, block: int) -> None:
         h = self.block_hashes[block]
         if h is not None:
             self.block_hashes[block] = None
             del self.cached[h]
-            self.events.removed.append(h)
+            self.events.append(h, False)
 
     def check_invariants(self) -> None:
         """Assert the allocator's internal consistency (for tests and debugging)."""

@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig, Speculativ
 from engine.hub import log, resolve_model
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
-from engine.messages import EngineLoad
+from engine.messages import EngineLoad, LoadReport
 from engine.model_runner import ModelRunner
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.request import FinishReason, Request, RequestStatus
@@ -160,6 +160,15 @@ class LLMEngine:
             cached_blocks=a.num_cached_blocks,
             spec=s.spec_stats,
         )
+
+    def load_report(self, worker_id: str, since: int | None) -> LoadReport:
+        """The load, and the prefix-cache changes after change number `since` (None: only the newest change's
+        number, so a reader behind it knows to ask)."""
+        if since is None:
+            seq = self.allocator.events.seq
+            return LoadReport(worker_id, self.load(), since=seq, seq=seq)
+        c = self.allocator.changes_since(since)
+        return LoadReport(worker_id, self.load(), c.stored, c.removed, c.since, c.seq, c.full)
 
     def step(self, layer_hook_for: LayerHookFactory | None = None) -> tuple[SchedulerOutput, list[Request]]:
         """One engine step. Returns what was scheduled and the requests that got a token (see

@@ -80,12 +80,23 @@ class WorkerInfo:
 
 @dataclass
 class LoadReport:
-    """A worker's load plus the prefix-cache changes since its last report (for the router's index)."""
+    """A worker's load, plus its prefix-cache changes numbered after `since` up to `seq` (for the router's
+    index; see `engine.block_allocator.CacheEventLog`). `seq` None: load only, nothing about the cache.
+    `full`: `stored` is the whole cache as of `seq` (the reader's changes were no longer kept)."""
 
     worker_id: str
     load: EngineLoad
     stored: list[BlockHash] = field(default_factory=list)
     removed: list[BlockHash] = field(default_factory=list)
+    since: int = 0
+    seq: int | None = None
+    full: bool = False
+
+
+def owner_of(key: str) -> str:
+    """The router replica that owns an attempt key: the part before "/" (empty for a lone router's keys)."""
+    owner, sep, _ = key.partition("/")
+    return owner if sep else ""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from engine.messages import (
     StepOutput,
     WorkerInfo,
     node_identity,
+    owner_of,
 )
 from engine.models.llama import LayerHook
 from engine.request import FINISH_REASONS, Request, RequestStatus
@@ -77,8 +78,9 @@ class PrefillWorker:
         return Heartbeat(self.worker_id, time.monotonic() - self.loop.last_progress, self.loop.busy,
                          self.loop.alive)
 
-    async def report(self) -> LoadReport:
-        return await asyncio.wrap_future(self.loop.call(self._report))
+    async def report(self, since: int = -1) -> LoadReport:
+        """Load, and the prefix-cache changes after change number `since` (see `CacheEventLog`)."""
+        return await asyncio.wrap_future(self.loop.call(lambda: self.engine.load_report(self.worker_id, since)))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       reservation: Reservation) -> AsyncIterator[FirstToken | PrefillResult]:
@@ -121,6 +123,17 @@ class PrefillWorker:
 
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: self._end(request_id, "aborted by the router")))
+
+    async def release_router(self, router_id: str) -> int:
+        """A router replica is gone: end the prompts its attempts have here. Returns how many."""
+
+        def release() -> int:
+            keys = [k for k in self.jobs if owner_of(k) == router_id]
+            for key in keys:
+                self._end(key, f"router replica {router_id} is gone")
+            return len(keys)
+
+        return await asyncio.wrap_future(self.loop.call(release))
 
     async def shutdown(self) -> EngineLoad:
         """Stop; returns the load it stopped with (a drained worker's shows it held nothing)."""
@@ -231,8 +244,9 @@ class PrefillWorker:
                                        report=self._report()))
 
     def _report(self) -> LoadReport:
-        events = self.engine.allocator.drain_events()
-        return LoadReport(self.worker_id, self.engine.load(), events.stored, events.removed)
+        # NOTE: only the newest cache change's number: the router reads the changes themselves from its own
+        # cursor (`report`), since other router replicas read this worker's cache too
+        return self.engine.load_report(self.worker_id, None)
 
 
 def _put(job: _Job, item: FirstToken | PrefillResult) -> None:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from router.lifecycle import Method
@@ -71,6 +72,9 @@ class PoolAdmin:
         self.pools = pools
         self.registry = pools.registry
         self._busy: set[PoolKind] = set()
+        # with router replicas (`router.replicas.ReplicaSet.drain_worker`): the other replicas drain their own
+        # requests off a worker while this router drains its own; True when they all finished in time
+        self.drain_elsewhere: Callable[[Worker, Method, float], Awaitable[bool]] | None = None
 
     # -- reading ----------------------------------------------------------------------------------------
 
@@ -173,7 +177,12 @@ class PoolAdmin:
 
     async def _drain_and_retire(self, worker: Worker, method: Method, deadline: float) -> DrainOutcome:
         start = time.monotonic()
-        clean = await self.router.drain_worker(worker, method, max(0.0, deadline - start))
+        timeout = max(0.0, deadline - start)
+        if self.drain_elsewhere is None:
+            clean = await self.router.drain_worker(worker, method, timeout)
+        else:
+            clean = all(await asyncio.gather(self.router.drain_worker(worker, method, timeout),
+                                             self.drain_elsewhere(worker, method, timeout)))
         held = None
         with contextlib.suppress(Exception):  # lets it close its KV links politely; it is killed anyway
             load = await worker.client.shutdown(5.0)

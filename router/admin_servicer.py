@@ -101,3 +101,74 @@ async def _timeout(seconds: float, context: grpc.aio.ServicerContext) -> float:
     if seconds < 0 or seconds != seconds:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_seconds: must be >= 0, got {seconds}")
     return seconds or DEFAULT_TIMEOUT_S
+
+
+# -- router replicas: Admin calls that reach a replica other than the lead ------------------------------
+
+RPCS = {"ListWorkers": (pb.ListWorkersRequest, pb.ListWorkersResponse),
+        "ScalePool": (pb.ScalePoolRequest, pb.ScalePoolResponse),
+        "DrainWorker": (pb.DrainWorkerRequest, pb.DrainWorkerResponse),
+        "RestartPool": (pb.RestartPoolRequest, pb.RestartPoolResponse)}
+
+# a forwarded call's answer: (True, the response's bytes) or (False, (status code name, details))
+Answer = tuple[bool, bytes | tuple[str, str]]
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _LocalContext:
+    """What `AdminServicer` needs of a gRPC context, for a call another replica forwarded."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Refused(code, details)
+
+
+async def run_forwarded(servicer: AdminServicer, method: str, request: bytes) -> Answer:
+    """Run an Admin call another router replica forwarded (on the lead, which holds the pools)."""
+    if method not in RPCS:
+        return False, ("UNIMPLEMENTED", f"unknown Admin method {method!r}")
+    try:
+        response = await getattr(servicer, method)(RPCS[method][0].FromString(request), _LocalContext())
+    except _Refused as e:
+        return False, (e.code.name, e.details)
+    except Exception as e:  # noqa: BLE001 - the forwarding replica's client gets it as INTERNAL
+        return False, ("INTERNAL", f"{type(e).__name__}: {e}")
+    return True, response.SerializeToString()
+
+
+class ForwardingAdminServicer(pb_grpc.AdminServicer):
+    """`pdserve.v1.Admin` on a router replica that is not the lead: every call runs on the lead (which holds
+    the pools), through `mailbox` (a `router.replicas.AdminMailbox` actor); status and details come back as
+    the lead gave them."""
+
+    def __init__(self, mailbox) -> None:
+        self.mailbox = mailbox
+
+    async def _forward(self, method: str, request, context: grpc.aio.ServicerContext):
+        import ray
+
+        try:
+            ok, payload = await self.mailbox.call.remote(method, request.SerializeToString())
+        except ray.exceptions.RayError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the lead router replica, which holds the pools, "
+                                                             f"is gone ({type(e).__name__}); retry once it is back")
+        if not ok:
+            code, details = payload
+            await context.abort(getattr(grpc.StatusCode, code), details)
+        return RPCS[method][1].FromString(payload)
+
+    async def ListWorkers(self, request, context):
+        return await self._forward("ListWorkers", request, context)
+
+    async def ScalePool(self, request, context):
+        return await self._forward("ScalePool", request, context)
+
+    async def DrainWorker(self, request, context):
+        return await self._forward("DrainWorker", request, context)
+
+    async def RestartPool(self, request, context):
+        return await self._forward("RestartPool", request, context)

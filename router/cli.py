@@ -66,6 +66,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-timeout", type=float, default=10.0,
                    help="seconds without a heartbeat (or engine progress while busy) before a worker is "
                         "declared dead, killed and replaced")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router replicas over the same pools, sharing --port and --http-port (SO_REUSEPORT): "
+                        "this process is the lead, the others run as Ray actors; each relays its own "
+                        "clients' tokens, so the front door scales past one core")
+    p.add_argument("--routers-spread", action="store_true",
+                   help="place the other router replicas over the cluster's nodes (each binds --port on its "
+                        "node: put a Service or load balancer over all of them) instead of on this node")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish")
     p.add_argument("--placement", choices=["joint", "separate"], default="joint",
@@ -137,7 +144,8 @@ def serve_config(args: argparse.Namespace):
         tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
-        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens, routers=args.routers,
+        routers_spread=args.routers_spread)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -399,10 +399,15 @@ def _refuse_unless(body: dict, name: str, ok: Callable[[Any], bool], why: str) -
 class HttpServer:
     """uvicorn on the calling event loop, on a socket bound here (so port 0 works and errors are ours)."""
 
-    def __init__(self, door: HttpDoor, host: str, port: int, tls: TLSConfig | None = None) -> None:
+    def __init__(self, door: HttpDoor, host: str, port: int, tls: TLSConfig | None = None,
+                 reuse_port: bool = False) -> None:
+        """`reuse_port`: share the port with other router replicas (SO_REUSEPORT: the kernel spreads the
+        connections over them)."""
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self.sock.bind((host.strip("[]"), port))  # OSError when taken: the caller names the flag
         self.port: int = self.sock.getsockname()[1]
         kw: dict[str, Any] = {}

@@ -302,12 +302,28 @@ def _decode_pool(ttft_pool: str) -> str:
     return PoolKind.DECODE.value if ttft_pool == PoolKind.PREFILL.value else ttft_pool
 
 
+class _Labelled:
+    """A registry whose every sample carries `labels` too (a router replica's, so replicas' series differ)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry = registry
+        self.labels = labels
+
+    def collect(self):
+        for metric in self.registry.collect():
+            metric.samples = [s._replace(labels={**s.labels, **self.labels}) for s in metric.samples]
+            yield metric
+
+
 class MetricsEndpoint:
     """A registry served over HTTP at `/metrics` from a daemon thread (prometheus_client's WSGI server)."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        """Bind `host:port` (port 0: any free port, see `.port`); raises OSError when it cannot."""
-        self._httpd, self._thread = start_wsgi_server(port, host.strip("[]"), registry)
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 labels: dict[str, str] | None = None) -> None:
+        """Bind `host:port` (port 0: any free port, see `.port`); raises OSError when it cannot. `labels`
+        are added to every sample."""
+        self._httpd, self._thread = start_wsgi_server(port, host.strip("[]"),
+                                                      _Labelled(registry, labels) if labels else registry)
         self.port: int = self._httpd.server_port
 
     def close(self) -> None:

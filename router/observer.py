@@ -27,6 +27,10 @@ class RequestObserver:
     def on_report(self, worker: Worker, report: LoadReport) -> None:
         """A worker's fresh load (running, waiting, KV blocks) reached the router."""
 
+    def on_cache_resync(self, worker: Worker) -> None:
+        """The router's picture of a worker's prefix cache was rebuilt from a full snapshot (it had fallen
+        behind the worker's change log)."""
+
     def on_worker_lost(self, worker: Worker) -> None:
         """A worker is gone (its node left, it crashed, it was declared dead): its load is no longer current."""
 

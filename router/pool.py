@@ -74,6 +74,8 @@ class Worker:
     inflight_prefill_tokens: int = 0  # prompt tokens sent to it and not yet answered (router's own count)
     draining: bool = False  # being taken out of service: placement skips it; it leaves once it holds nothing
     moved: collections.Counter = field(default_factory=collections.Counter)  # sequences drained off, by Method
+    # a read of this worker's newer prefix-cache changes in flight, if any (`Router.apply_report`)
+    cache_read: asyncio.Task | None = field(default=None, repr=False)
 
     @property
     def worker_id(self) -> str:
@@ -182,13 +184,22 @@ class PoolManager:
     def __init__(self, specs: list[PoolSpec], registry: WorkerRegistry, launch: Launcher,
                  liveness: LivenessConfig | None = None,
                  on_report: Callable[[Worker, LoadReport], None] = lambda w, r: None,
-                 on_heartbeat: Callable[[Worker], None] = lambda w: None) -> None:
+                 on_heartbeat: Callable[[Worker], None] = lambda w: None,
+                 cache_cursor: Callable[[Worker], int] = lambda w: -1, follow: bool = False) -> None:
+        """`on_report` gets each worker's periodic load report, read from `cache_cursor(worker)` (the last
+        prefix-cache change the router's index holds, see `Router.apply_report`).
+
+        `follow`: the manager of a router replica that is not the lead (`router.replicas`). The lead starts,
+        replaces and declares dead every worker and tells it which workers there are (`adopt`; `lose`);
+        this one only pings them (for its own leases' renewals) and reads their load."""
         self.specs = specs
         self.registry = registry
         self.launch = launch
         self.liveness = liveness or LivenessConfig()
         self.on_report = on_report
         self.on_heartbeat = on_heartbeat
+        self.cache_cursor = cache_cursor
+        self.follow = follow
         # how many schedulable workers each pool should have; `scale` changes it at run time
         self.targets: dict[PoolKind, int] = {spec.kind: spec.num_workers for spec in specs}
         self.pending: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
@@ -224,6 +235,16 @@ class PoolManager:
                     for _ in range(missing):
                         self._spawn(self._replace(spec))
             await asyncio.sleep(self.liveness.interval_s)
+
+    def adopt(self, info: WorkerInfo, client: WorkerClient, kind: PoolKind) -> Worker:
+        """A following manager: take on a worker the lead started (once; again is a no-op)."""
+        assert self.follow, "adopt() is for a following manager: the lead starts its own workers"
+        if info.worker_id in self.registry.workers:
+            return self.registry.workers[info.worker_id]
+        worker = make_worker(info, client, kind)
+        self.registry.add(worker)
+        self._spawn(self._watch(worker))
+        return worker
 
     async def close(self) -> None:
         self._stopping = True
@@ -273,17 +294,21 @@ class PoolManager:
             except WorkerError as e:
                 if e.lost:
                     self.registry.lose(worker, e.reason)
+                elif self.follow:  # whether a silent worker is dead is the lead's call
+                    await asyncio.sleep(cfg.interval_s)
                 elif e.failure is Failure.TIMEOUT:  # the process is stopped, stuck or cut off
                     self.registry.lose(worker, f"no heartbeat within {cfg.worker_timeout_s:.3g}s")
                 else:
                     await asyncio.sleep(cfg.interval_s)
                 continue
+            why = None
             if not hb.loop_alive:
-                self.registry.lose(worker, "its engine loop thread is dead")
-                continue
-            if hb.busy and hb.loop_age_s > cfg.worker_timeout_s:
-                self.registry.lose(worker, f"its engine loop has not moved for {hb.loop_age_s:.1f}s with work "
-                                          f"to do (--worker-timeout {cfg.worker_timeout_s:.3g}s)")
+                why = "its engine loop thread is dead"
+            elif hb.busy and hb.loop_age_s > cfg.worker_timeout_s:
+                why = (f"its engine loop has not moved for {hb.loop_age_s:.1f}s with work to do "
+                       f"(--worker-timeout {cfg.worker_timeout_s:.3g}s)")
+            if why is not None and not self.follow:
+                self.registry.lose(worker, why)
                 continue
             self.on_heartbeat(worker)
             if report is None or report.done():  # never more than one report in flight per worker
@@ -292,7 +317,7 @@ class PoolManager:
 
     async def _report(self, worker: Worker) -> None:
         try:
-            r = await worker.client.report(self.liveness.worker_timeout_s)
+            r = await worker.client.report(self.cache_cursor(worker), self.liveness.worker_timeout_s)
         except WorkerError as e:
             if e.lost:
                 self.registry.lose(worker, e.reason)

@@ -1,8 +1,10 @@
 """The router's picture of every worker's prefix cache: which chained block hashes each one holds.
 
-Kept up to date from the `CacheEvents` each worker drains from its `BlockAllocator` (hashes that entered
-and left its cache since the last drain) and forgotten when a worker leaves. It can lag the workers by one
-drain; placement only uses it as a hint, the worker's own `find_cached` decides what is really reused.
+Kept up to date from each worker's numbered change log (`engine.block_allocator.CacheEventLog`: hashes that
+entered and left its cache), read from this index's own cursor per worker, and forgotten when a worker
+leaves. Several router replicas each keep one, reading the same logs at their own pace. It can lag the
+workers by one read; placement only uses it as a hint, the worker's own `find_cached` decides what is really
+reused.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from engine.block_allocator import CacheEvents
 from engine.block_hash import BlockHash
+from engine.messages import LoadReport
 
 
 class PrefixIndex:
@@ -19,6 +23,34 @@ class PrefixIndex:
         # NOTE: the inverse map lets `match_all` walk a prompt's hashes once for every worker together,
         # narrowing the candidates at each block, instead of once per worker.
         self._holders: dict[BlockHash, set[str]] = {}
+        self._seq: dict[str, int] = {}  # by worker: the last change of its log folded in
+
+    def cursor(self, worker_id: str) -> int:
+        """The number of the worker's last cache change folded in; -1 when none was (read the whole cache)."""
+        return self._seq.get(worker_id, -1)
+
+    def apply_changes(self, worker_id: str, changes: CacheEvents | LoadReport) -> str:
+        """Fold in the changes numbered `changes.since` < n <= `changes.seq`, exactly once and in order:
+
+        - "applied": they start at the cursor;
+        - "resynced": a full snapshot replaced the picture (the reader had fallen behind the log);
+        - "stale": nothing newer than the cursor;
+        - "behind": newer changes exist that these do not start at the cursor for (changes made after a
+          read; a read overlapping one already applied): read again from `cursor`.
+        """
+        cursor = self.cursor(worker_id)
+        if changes.seq <= cursor:
+            return "stale"
+        if changes.full:
+            self.remove_worker(worker_id)
+            self.apply(worker_id, changes.stored, [])
+            self._seq[worker_id] = changes.seq
+            return "resynced"
+        if changes.since != cursor:
+            return "behind"
+        self.apply(worker_id, changes.stored, changes.removed)
+        self._seq[worker_id] = changes.seq
+        return "applied"
 
     def apply(self, worker_id: str, stored: Iterable[BlockHash], removed: Iterable[BlockHash]) -> None:
         """Fold one drain of a worker's cache events into the index.
@@ -41,6 +73,7 @@ class PrefixIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker (it died, left, or reset its cache)."""
+        self._seq.pop(worker_id, None)
         for h in self._by_worker.pop(worker_id, set()):
             self._drop_holder(h, worker_id)
 

@@ -132,6 +132,7 @@ class RouterConfig:
     # compare a SHA-256 of every moved sequence's KV at the source and the destination before decoding on
     # (a full read of its KV on both: a debugging and proof aid, off in production)
     verify_kv_moves: bool = False
+    router_id: str = ""  # this replica's id among several (`pdserve serve --routers N`); unique per incarnation
 
     def __post_init__(self) -> None:
         if self.policy not in ("prefix", "round-robin"):
@@ -162,6 +163,9 @@ class Router:
         self._by_client_id: dict[str, RequestState] = {}
         self._attempts: dict[str, Attempt] = {}  # by attempt key: where worker messages are routed
         self._ids = itertools.count(1)
+        # NOTE: attempt keys carry their router replica (`engine.messages.owner_of`): workers send each
+        # replica only its own tokens, and free what a dead replica held
+        self._id_prefix = f"{config.router_id}/" if config.router_id else ""
         self.num_queued = 0
         self.draining = False
         self._room = asyncio.Event()  # set whenever blocks may have been freed or a worker joined
@@ -196,9 +200,38 @@ class Router:
     def apply_report(self, worker: Worker, report: LoadReport) -> None:
         worker.apply(report)
         self.observer.on_report(worker, report)
-        # NOTE: decode workers' caches too: a prompt whose prefix a decode worker holds may prefill there
-        self.index.apply(worker.worker_id, report.stored, report.removed)
+        if report.seq is not None:
+            self._apply_cache_changes(worker, report)
         self._room.set()
+
+    def cache_cursor(self, worker: Worker) -> int:
+        """Where the next read of the worker's prefix-cache changes starts (`PoolManager`'s reports)."""
+        return self.index.cursor(worker.worker_id)
+
+    def _apply_cache_changes(self, worker: Worker, report: LoadReport) -> None:
+        """Fold a worker's prefix-cache changes into the index, in order and exactly once.
+
+        NOTE: decode workers' caches too: a prompt whose prefix a decode worker holds may prefill there.
+        Each router replica reads every worker's numbered change log from its own cursor
+        (`PrefixIndex.apply_changes`); a report that does not start at the cursor (a prefill's answer says
+        only how far the log has got) makes the router read from its cursor, and a reader the log could no
+        longer serve gets the whole cache (a resync)."""
+        had = self.index.cursor(worker.worker_id) >= 0
+        outcome = self.index.apply_changes(worker.worker_id, report)
+        if outcome == "resynced" and had:
+            self.observer.on_cache_resync(worker)
+        elif outcome == "behind" and (worker.cache_read is None or worker.cache_read.done()):
+            worker.cache_read = self._spawn(self._read_cache_changes(worker))
+
+    async def _read_cache_changes(self, worker: Worker) -> None:
+        try:
+            report = await worker.client.report(self.index.cursor(worker.worker_id), self.config.call_timeout_s)
+        except WorkerError as e:
+            if e.lost:
+                self.registry.lose(worker, e.reason)
+            return  # the next periodic report reads them
+        if worker.alive:
+            self.apply_report(worker, report)
 
     # -- workers joining and leaving --------------------------------------------------------------------
 
@@ -251,7 +284,7 @@ class Router:
                               "retry on another replica")
         if req.request_id in self._by_client_id:
             raise RouterError("ALREADY_EXISTS", f"request_id: {req.request_id!r} is already in flight")
-        state = RequestState(f"r{next(self._ids)}", req)
+        state = RequestState(f"{self._id_prefix}r{next(self._ids)}", req)
         self.requests[state.id] = self._by_client_id[req.request_id] = state
         try:
             # NOTE: aclosing, so the attempt in flight is ended (and its workers told) as soon as this

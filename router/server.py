@@ -81,6 +81,8 @@ class ServeConfig:
     tls_key: str | None = None  # ... and private key
     tls_client_ca: str | None = None  # mutual TLS: clients must present a certificate this CA signed
     api_key: str | None = field(default=None, repr=False)  # every call but health needs "Bearer <key>"
+    routers: int = 1  # router replicas sharing --port (and --http-port) over the same pools
+    routers_spread: bool = False  # place the other replicas over the nodes, not on this one
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers", "colocated_workers"):
@@ -104,6 +106,8 @@ class ServeConfig:
             raise ValueError(f"--speculative must be ngram (or absent), got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.routers < 1:
+            raise ValueError(f"--routers must be >= 1, got {self.routers}")
         if self.shutdown_grace < 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace}")
         if self.migration_limit < 0:
@@ -142,11 +146,11 @@ class ServeConfig:
         return TLSConfig(Path(self.tls_cert), Path(self.tls_key),
                          Path(self.tls_client_ca) if self.tls_client_ca else None)
 
-    def router_config(self) -> RouterConfig:
+    def router_config(self, router_id: str = "") -> RouterConfig:
         return RouterConfig(self.block_size, self.routing, self.max_queue, self.admission_timeout_s,
                             self.max_queued_prefill_tokens, self.migration_limit,
                             call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves,
-                            placement=self.placement, local_prefill=self.local_prefill)
+                            placement=self.placement, local_prefill=self.local_prefill, router_id=router_id)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:
@@ -180,6 +184,8 @@ class Server:
         self.http: HttpServer | None = None
         self.http_port: int | None = None  # the bound port once started
         self.router: Router | None = None
+        self.replicas = None  # router.replicas.ReplicaSet: the other router replicas (`--routers N`)
+        self.reports_pools = True  # the lead reports pool sizes; other replicas only follow them
         self.rendezvous = None
         self.port = config.port
         self._tasks: list[asyncio.Task] = []
@@ -187,12 +193,29 @@ class Server:
         self._serving = False
 
     async def start(self) -> None:
+        """Open the doors (gRPC, metrics, HTTP; NOT_SERVING until the pools are up), start the pools and the
+        router (and with `--routers N`, the other replicas), then serve."""
         c = self.config
         path = resolve_model(c.model)  # download/convert once, here, before any worker looks for it
         model = load_config(path)
         tokenizer = Tokenizer(path)
         max_model_len = min(c.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
         limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size)
+        tls = await self._open_doors(tokenizer, limits)
+        await self._start_router()
+        self.servicer.router = self.router
+        if self.http is not None:
+            self.http_door.router = self.router
+        self._tasks.append(asyncio.ensure_future(self._watch_health()))
+        door = ("mutual TLS" if tls.client_ca else "TLS") if tls is not None else "plaintext"
+        log(f"serving {c.model} on {c.host}:{self.port} ({door}, "
+            f"{'API key required' if c.api_key else 'no API key'})")
+
+    def _admin_servicer(self) -> admin_pb2_grpc.AdminServicer:
+        return AdminServicer()
+
+    async def _open_doors(self, tokenizer: Tokenizer, limits: Limits) -> TLSConfig | None:
+        c = self.config
         servicer = GenerationServicer(c.model, tokenizer, limits, c.block_size, self.observer)
         self.servicer = servicer
 
@@ -200,7 +223,7 @@ class Server:
         pb_grpc.add_GenerationServicer_to_server(servicer, self.grpc)
         # NOTE: the operator API shares the port, so the API key and TLS guard it exactly as they guard
         # generation: there is no unprotected side door
-        self.admin_servicer = AdminServicer()
+        self.admin_servicer = self._admin_servicer()
         admin_pb2_grpc.add_AdminServicer_to_server(self.admin_servicer, self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -226,7 +249,7 @@ class Server:
         if self.metrics is not None and c.metrics_port is not None:
             try:
                 self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, c.metrics_host or c.host,
-                                                        c.metrics_port)
+                                                        c.metrics_port, self._metrics_labels())
             except OSError as e:
                 await self.grpc.stop(None)
                 raise ServeError(f"cannot serve metrics on {c.host}:{c.metrics_port} ({e}); is the "
@@ -238,7 +261,7 @@ class Server:
             self.http_door = HttpDoor(c.model, tokenizer, limits, self.observer or RequestObserver(), c.api_key,
                                       serving=lambda: self._serving)
             try:
-                self.http = HttpServer(self.http_door, c.host, c.http_port, tls)
+                self.http = HttpServer(self.http_door, c.host, c.http_port, tls, reuse_port=c.routers > 1)
             except OSError as e:
                 await self.grpc.stop(None)
                 raise ServeError(f"cannot serve HTTP on {c.host}:{c.http_port} ({e}); is the port taken, or the "
@@ -246,7 +269,16 @@ class Server:
             self.http_port = self.http.port
             self.http.start()
             log(f"OpenAI-compatible HTTP on http{'s' if tls else ''}://{c.host}:{self.http_port}/v1")
+        return tls
 
+    def _metrics_labels(self) -> dict[str, str]:
+        # NOTE: one series per replica (a bounded label: replica indexes 0..N-1, a replacement keeps its
+        # predecessor's), so Prometheus sums them; a lone router adds no label
+        return {"router": "0"} if self.config.routers > 1 else {}
+
+    async def _start_router(self) -> None:
+        """The lead: the Ray pools, the router over them, the pool admin, and the other router replicas."""
+        c = self.config
         kv_config = self._kv_config()
         log(f"starting {c.num_workers} workers for {c.model} "
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
@@ -257,17 +289,18 @@ class Server:
         lease_s = max(30.0, 3 * c.worker_timeout)
         self.pools = PoolManager(c.pool_specs(), self.registry, ray_launcher(kv_config, lease_s),
                                  LivenessConfig(worker_timeout_s=c.worker_timeout),
-                                 on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat)
+                                 on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
+                                 cache_cursor=self.router.cache_cursor)
         await self.pools.start()
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
-        servicer.router = self.router
         self.admin = self.admin_servicer.admin = PoolAdmin(self.router, self.pools)
-        if self.http is not None:
-            self.http_door.router = self.router
-        self._tasks.append(asyncio.ensure_future(self._watch_health()))
-        door = ("mutual TLS" if tls.client_ca else "TLS") if tls is not None else "plaintext"
-        log(f"serving {c.model} on {c.host}:{self.port} ({door}, "
-            f"{'API key required' if c.api_key else 'no API key'})")
+        if c.routers > 1:
+            from router.replicas import ReplicaSet
+
+            self.replicas = ReplicaSet(self, c.routers - 1)
+            self.admin.drain_elsewhere = self.replicas.drain_worker
+            log(f"starting {c.routers - 1} more router replica(s) on port {self.port}...")
+            await self.replicas.start()
 
     async def _watch_health(self) -> None:
         """SERVING while every pool has a live worker and the server admits requests; NOT_SERVING else."""
@@ -277,7 +310,7 @@ class Server:
             for spec in self.pools.specs:
                 live = len(self.pools.live(spec.kind))
                 target = self.pools.targets[spec.kind]
-                if self.observer is not None:
+                if self.observer is not None and self.reports_pools:
                     self.observer.on_pool_size(spec.kind.value, live, target)
                 if not live and target:
                     empty.append(spec.kind.value)
@@ -304,7 +337,10 @@ class Server:
                 await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             n = len(self.router.requests)
             log(f"shutting down: waiting up to {grace:.0f}s for {n} request(s) in flight")
-            if not await self.router.drain(grace):
+            # every replica drains its own streams, at the same time
+            others = self.replicas.shutdown(grace) if self.replicas is not None else asyncio.sleep(0)
+            drained, _ = await asyncio.gather(self.router.drain(grace), others)
+            if not drained:
                 log(f"shutting down: {len(self.router.requests)} request(s) still in flight after {grace:.0f}s; "
                     "ending them")
         await self.stop()
@@ -334,21 +370,27 @@ class Server:
             await self.grpc.stop(grace=1.0)
         if self.http is not None:
             await self.http.stop()
+        if self.replicas is not None:
+            await self.replicas.stop()
         if self.router is not None:
             await self.pools.close()
             await self.router.close()
-            workers = list(self.registry.workers.values())
-            # let each worker close its KV links cleanly before the processes go
-            with contextlib.suppress(asyncio.TimeoutError):  # dead workers answer with errors, kept quiet
-                await asyncio.wait_for(asyncio.gather(*(w.client.shutdown(10) for w in workers if w.alive),
-                                                      return_exceptions=True), timeout=10)
-            for w in workers:
-                with contextlib.suppress(Exception):
-                    w.client.kill()
+            await self._stop_workers()
         if self.rendezvous is not None:  # after the workers: they hold clients of it
             self.rendezvous.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
+
+
+    async def _stop_workers(self) -> None:
+        workers = list(self.registry.workers.values())
+        # let each worker close its KV links cleanly before the processes go
+        with contextlib.suppress(asyncio.TimeoutError):  # dead workers answer with errors, kept quiet
+            await asyncio.wait_for(asyncio.gather(*(w.client.shutdown(10) for w in workers if w.alive),
+                                                  return_exceptions=True), timeout=10)
+        for w in workers:
+            with contextlib.suppress(Exception):
+                w.client.kill()
 
 
 def pin_ray_to_loopback() -> None:

@@ -63,7 +63,8 @@ class WorkerClient(ABC):
         loop moves."""
 
     @abstractmethod
-    async def report(self, timeout: float) -> LoadReport: ...
+    async def report(self, since: int, timeout: float) -> LoadReport:
+        """Load, and the prefix-cache changes after change number `since` (-1: the whole cache)."""
 
     @abstractmethod
     async def reserve(self, key: str, prompt: list[int], params: SamplingParams, src: str,
@@ -115,7 +116,12 @@ class WorkerClient(ABC):
 
     @abstractmethod
     def steps(self) -> AsyncIterator[StepOutput]:
-        """The worker's per-step messages, until it dies (then WorkerError with Failure.LOST)."""
+        """The worker's per-step messages for this client's router replica, until it dies (then WorkerError
+        with Failure.LOST)."""
+
+    @abstractmethod
+    async def release_router(self, router_id: str, timeout: float) -> int:
+        """Router replica `router_id` is gone: free what its attempts hold on the worker."""
 
     @abstractmethod
     async def shutdown(self, timeout: float) -> EngineLoad | None:
@@ -129,9 +135,10 @@ class WorkerClient(ABC):
 class RayWorkerClient(WorkerClient):
     """A worker that is a Ray actor (`PrefillWorker` or `DecodeWorker`)."""
 
-    def __init__(self, worker_id: str, actor: Any) -> None:
+    def __init__(self, worker_id: str, actor: Any, router_id: str = "") -> None:
         self.worker_id = worker_id
         self.actor = actor
+        self.router_id = router_id  # the router replica this client's step stream is for
 
     async def _call(self, ref, timeout: float | None):
         import ray
@@ -153,8 +160,8 @@ class RayWorkerClient(WorkerClient):
     async def ping(self, timeout: float) -> Heartbeat:
         return await self._call(self.actor.ping.remote(), timeout)
 
-    async def report(self, timeout: float) -> LoadReport:
-        return await self._call(self.actor.report.remote(), timeout)
+    async def report(self, since: int, timeout: float) -> LoadReport:
+        return await self._call(self.actor.report.remote(since), timeout)
 
     async def reserve(self, key, prompt, params, src, timeout):
         return await self._call(self.actor.reserve.remote(key, prompt, params, src), timeout)
@@ -195,9 +202,13 @@ class RayWorkerClient(WorkerClient):
         return await self._call(self.actor.kv_digest.remote(key, num_tokens), timeout)
 
     async def steps(self) -> AsyncIterator[StepOutput]:
-        async for out in self._stream(self.actor.stream_steps.options(num_returns="streaming").remote(), "step"):
+        async for out in self._stream(self.actor.stream_steps.options(num_returns="streaming").remote(
+                self.router_id), "step"):
             yield out
         raise WorkerError(self.worker_id, "step stream ended", Failure.ERROR)
+
+    async def release_router(self, router_id: str, timeout: float) -> int:
+        return await self._call(self.actor.release_router.remote(router_id), timeout)
 
     async def _stream(self, refs, what: str) -> AsyncIterator[Any]:
         """The items of a streaming actor call, with its failures as WorkerErrors."""

@@ -18,7 +18,7 @@ def test_lru_eviction_takes_least_recently_freed_and_tail_blocks_first():
     got = a.allocate(2)  # the untouched block 3, then the sequence's tail block
     assert got == [3, blocks[2]]
     assert a.find_cached([100, 101, 102]) == blocks[:2]
-    assert a.drain_events().removed == [102]
+    assert a.changes_since(3).removed == [102]
 
 
 def test_touch_revives_a_cached_free_block():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from engine.block_allocator import BlockAllocator
 from engine.config import cdiv
 from engine.messages import (
     EngineLoad,
@@ -23,6 +24,7 @@ from engine.messages import (
     StepOutput,
     TokenDelta,
     WorkerInfo,
+    owner_of,
 )
 from engine.sampling_params import SamplingParams
 from router.placement import PoolKind
@@ -85,6 +87,7 @@ class FakeWorker(WorkerClient):
         self.reserve_full = False
         self._outbox: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._loop_task: asyncio.Task | None = None
+        self.cache: BlockAllocator | None = None  # set: `report` reads its prefix-cache change log
 
     # -- test controls --------------------------------------------------------------------------------
 
@@ -131,9 +134,12 @@ class FakeWorker(WorkerClient):
         await self._timed(self._enter(), timeout)
         return Heartbeat(self.worker_id, 0.0, bool(self.running), True)
 
-    async def report(self, timeout: float) -> LoadReport:
+    async def report(self, since: int, timeout: float) -> LoadReport:
         await self._timed(self._enter(), timeout)
-        return LoadReport(self.worker_id, self._load())
+        if self.cache is None:
+            return LoadReport(self.worker_id, self._load())
+        c = self.cache.changes_since(since)
+        return LoadReport(self.worker_id, self._load(), c.stored, c.removed, c.since, c.seq, c.full)
 
     def _load(self) -> EngineLoad:
         free = self.num_blocks - self.blocks_in_use
@@ -210,6 +216,12 @@ class FakeWorker(WorkerClient):
         self.reserved.pop(key, None)
         self.running.pop(key, None)
         self.held_keys.discard(key)
+
+    async def release_router(self, router_id, timeout):
+        keys = [k for k in {*self.held, *self.reserved, *self.running} if owner_of(k) == router_id]
+        for key in keys:
+            await self.abort(key, timeout)
+        return len(keys)
 
     async def pause(self, key, timeout):
         await self._timed(self._enter(), timeout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_allocator import BlockAllocator
+from engine.block_allocator import BlockAllocator, CacheEventLog
 from engine.block_hash import hash_blocks
 from router.prefix_index import PrefixIndex
 
@@ -38,10 +38,40 @@ def test_a_real_allocator_re_storing_an_evicted_hash_within_one_drain() -> None:
     alloc.free([block])
     (block,) = alloc.allocate(1)  # evicts 42
     alloc.cache_block(block, 42)  # the same prefix computed again
-    events = alloc.drain_events()
-    assert (events.stored, events.removed) == ([42, 42], [42])
-    index.apply("w0", events.stored, events.removed)
-    assert index.match("w0", [42]) == 1
+    events = alloc.changes_since(0)
+    assert (events.stored, events.removed, events.since, events.seq) == ([42, 42], [42], 0, 3)
+    assert index.apply_changes("w0", alloc.changes_since(-1)) == "resynced"  # a first read: the whole cache
+    assert index.match("w0", [42]) == 1 and index.cursor("w0") == 3
+
+
+def test_a_reader_applies_changes_once_in_order_and_asks_again_when_behind() -> None:
+    alloc, index = BlockAllocator(num_blocks=2), PrefixIndex()
+    assert index.apply_changes("w0", alloc.changes_since(-1)) == "resynced" and index.cursor("w0") == 0
+    (a,) = alloc.allocate(1)
+    alloc.cache_block(a, 1)
+    early = alloc.changes_since(0)  # store 1
+    alloc.free([a])
+    alloc.allocate(2)  # evicts 1
+    late = alloc.changes_since(0)  # store 1, remove 1: overlaps `early`
+    assert index.apply_changes("w0", early) == "applied" and index.match("w0", [1]) == 1
+    # NOTE: folding `late` in too would count its store of 1 twice: it is refused, and read from the cursor
+    assert index.apply_changes("w0", late) == "behind"
+    assert index.apply_changes("w0", alloc.changes_since(index.cursor("w0"))) == "applied"
+    assert index.match("w0", [1]) == 0
+    assert index.apply_changes("w0", early) == "stale"
+
+
+def test_a_reader_the_log_no_longer_reaches_gets_the_whole_cache() -> None:
+    alloc, index = BlockAllocator(num_blocks=4), PrefixIndex()
+    alloc.events = CacheEventLog(capacity=2)
+    index.apply_changes("w0", alloc.changes_since(-1))
+    blocks = alloc.allocate(3)
+    for b, h in zip(blocks, [7, 8, 9]):
+        alloc.cache_block(b, h)
+    changes = alloc.changes_since(index.cursor("w0"))  # 3 changes since the cursor, 2 kept
+    assert changes.full and sorted(changes.stored) == [7, 8, 9]
+    assert index.apply_changes("w0", changes) == "resynced"
+    assert index.blocks("w0") == {7, 8, 9} and index.cursor("w0") == 3
 
 
 def test_workers_are_independent_and_removing_one_forgets_it() -> None:
@@ -90,7 +120,7 @@ op = st.one_of(
     st.tuples(st.just("free"), st.sampled_from(WORKERS), st.integers(0, 3)),
     st.tuples(st.just("alloc"), st.sampled_from(WORKERS), st.lists(HASHES, min_size=1, max_size=3)),
     st.tuples(st.just("free"), st.sampled_from(WORKERS), st.integers(0, 3)),
-    st.tuples(st.just("drain"), st.sampled_from(WORKERS), st.none()),
+    st.tuples(st.just("read"), st.sampled_from(WORKERS), st.sampled_from([0, 1])),
     st.tuples(st.just("reset"), st.sampled_from(WORKERS), st.none()),
     st.tuples(st.just("leave"), st.sampled_from(WORKERS), st.none()),
 )
@@ -98,10 +128,22 @@ op = st.one_of(
 
 @settings(max_examples=300, deadline=None, database=None)
 @given(ops=st.lists(op, max_size=80), probe=st.lists(HASHES, max_size=6))
-def test_index_tracks_real_allocators(ops, probe: list[int]) -> None:
-    allocators = {w: BlockAllocator(num_blocks=NUM_BLOCKS) for w in WORKERS}
+def test_indexes_reading_at_their_own_pace_track_real_allocators(ops, probe: list[int]) -> None:
+    """Two router replicas' indexes read the same workers' logs, each from its own cursor; the logs keep few
+    changes, so a reader that lags is resynced from a full snapshot."""
+
+    def fresh() -> BlockAllocator:
+        alloc = BlockAllocator(num_blocks=NUM_BLOCKS)
+        alloc.events = CacheEventLog(capacity=6)
+        return alloc
+
+    def read(index: PrefixIndex, w: str) -> None:
+        changes = allocators[w].changes_since(index.cursor(w))
+        assert index.apply_changes(w, changes) in ("applied", "resynced", "stale")
+
+    allocators = {w: fresh() for w in WORKERS}
     seqs: dict[str, list[list[int]]] = {w: [] for w in WORKERS}
-    index = PrefixIndex()
+    indexes = [PrefixIndex(), PrefixIndex()]
     for kind, w, arg in ops:
         alloc = allocators[w]
         if kind == "alloc":
@@ -114,19 +156,19 @@ def test_index_tracks_real_allocators(ops, probe: list[int]) -> None:
             alloc.free(seqs[w].pop(arg % len(seqs[w])))
         elif kind == "reset":
             alloc.reset_cache()
-        elif kind == "drain":
-            events = alloc.drain_events()
-            index.apply(w, events.stored, events.removed)
+        elif kind == "read":
+            read(indexes[arg], w)
         elif kind == "leave":  # the worker is replaced by a fresh one with an empty cache
-            index.remove_worker(w)
-            allocators[w], seqs[w] = BlockAllocator(num_blocks=NUM_BLOCKS), []
-    for w, alloc in allocators.items():
-        events = alloc.drain_events()
-        index.apply(w, events.stored, events.removed)
-        assert index.blocks(w) == set(alloc.cached)
-        assert index.match(w, probe) == model_match(set(alloc.cached), probe)
+            for index in indexes:
+                index.remove_worker(w)
+            allocators[w], seqs[w] = fresh(), []
     expected = {w: model_match(set(a.cached), probe) for w, a in allocators.items()}
-    assert index.match_all(probe) == {w: n for w, n in expected.items() if n > 0}
+    for index in indexes:
+        for w, alloc in allocators.items():
+            read(index, w)
+            assert index.blocks(w) == set(alloc.cached)
+            assert index.match(w, probe) == model_match(set(alloc.cached), probe)
+        assert index.match_all(probe) == {w: n for w, n in expected.items() if n > 0}
 
 
 @settings(max_examples=150, deadline=None, database=None)

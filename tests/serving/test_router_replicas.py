@@ -1,0 +1,201 @@
+"""Two router replicas over one set of pools (`--routers 2`, SmolLM2, Ray actors, gloo KV transfer): both
+serve the shared port; output equals the engine's; a prefix cached through one replica is hit through the
+other; 200 concurrent requests across replicas leave the decode worker's blocks consistent; killing a
+replica ends only its own streams, the other keeps serving, and the replica is replaced."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from protos.pdserve.v1 import admin_pb2 as admin
+from protos.pdserve.v1 import admin_pb2_grpc
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.serving.conftest import greedy_request, running_server, token_ids
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at"]
+TOKENS = 12
+PREFIX = ("You are a careful assistant for a lighthouse museum. Answer visitors' questions about the history "
+          "of the lighthouse, its keepers, its lamp and its foghorn, in two short sentences. ") * 2
+SUFFIXES = ["When was it built?", "Who was the first keeper?", "How bright is the lamp?", "Is it still used?"]
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[int]]:
+    llm = LLM(MODEL, num_blocks=256)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    return {p: o.token_ids for p, o in zip(PROMPTS, outs)}
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    # NOTE: 48 decode blocks hold ~24 of the 200 concurrent requests: the replicas contend for them
+    with running_server(model=MODEL, prefill_workers=2, decode_workers=1, num_blocks=48, routers=2) as s:
+        yield s
+
+
+def _connect(server) -> grpc.Channel:
+    """A channel with its own TCP connection (gRPC shares one between channels to the same address unless
+    told not to): the kernel hands each connection to one replica."""
+    return grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def _requests_served(server) -> dict[str, float]:
+    """pdserve_requests_total per replica, scraped from each replica's /metrics (by its `router` label)."""
+    ports = [server.server.metrics_port] + [r["metrics_port"] for r in server.server.replicas.describe()]
+    served: dict[str, float] = {}
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith("pdserve_requests_total{"):
+                router = line.split('router="')[1].split('"')[0]
+                served[router] = served.get(router, 0.0) + float(line.rsplit(" ", 1)[1])
+    return served
+
+
+@pytest.fixture(scope="module")
+def channels(server) -> dict[str, list[pb_grpc.GenerationStub]]:
+    """Two connections to each replica: new connections until the kernel has given each replica two (which
+    replica took a connection shows in the replicas' request counters)."""
+    by_replica: dict[str, list] = {"0": [], "1": []}
+    for _ in range(40):
+        if all(len(v) >= 2 for v in by_replica.values()):
+            break
+        channel = _connect(server)
+        stub = pb_grpc.GenerationStub(channel)
+        before = _requests_served(server)
+        list(stub.Generate(greedy_request("Hi", 1), timeout=60))
+        after = _requests_served(server)
+        [replica] = [r for r in after if after[r] != before.get(r, 0.0)]
+        by_replica[replica].append(stub)
+    assert all(len(v) >= 2 for v in by_replica.values()), f"connections per replica: {by_replica}"
+    return by_replica
+
+
+def test_each_replica_serves_the_engines_greedy_output(server, channels, references):
+    for replica, stubs in channels.items():
+        for stub in stubs:
+            for prompt in PROMPTS:
+                got = token_ids(list(stub.Generate(greedy_request(prompt, TOKENS, ignore_eos=True), timeout=120)))
+                assert got == references[prompt], (replica, prompt)
+    served = _requests_served(server)
+    assert set(served) == {"0", "1"}  # every series carries its replica's `router` label, and only those
+
+
+def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(server, channels):
+    [lead, follower] = [channels["0"][0], channels["1"][0]]
+    first = list(lead.Generate(greedy_request(PREFIX + SUFFIXES[0], 2), timeout=120))
+    assert first[-1].usage.cached_prompt_tokens == 0
+    prefix_blocks = len(server.server.servicer.tokenizer.encode(PREFIX)) // 16
+    replica = server.server.replicas.replicas[1].actor
+    # the follower's prefix index reads every worker's cache changes each 0.5 s: wait until it has them
+    deadline = time.monotonic() + 10
+    while max(w["cached_blocks"] for w in _ray_get(replica.describe.remote())["workers"].values()) < prefix_blocks:
+        assert time.monotonic() < deadline, "the follower's prefix index never learned the cached prefix"
+        time.sleep(0.1)
+    for stub, suffix in zip([follower, channels["1"][1], lead], SUFFIXES[1:]):
+        res = list(stub.Generate(greedy_request(PREFIX + suffix, 2), timeout=120))
+        assert res[-1].usage.cached_prompt_tokens >= (prefix_blocks - 1) * 16, suffix
+
+
+def test_200_concurrent_requests_across_replicas_keep_the_decode_blocks_consistent(server, channels, references):
+    stubs = channels["0"][:2] + channels["1"][:2]
+    before = _requests_served(server)
+
+    def one(i: int) -> tuple[str, list[int] | grpc.StatusCode]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        try:
+            res = stubs[i % len(stubs)].Generate(greedy_request(prompt, TOKENS, ignore_eos=True), timeout=300)
+            return prompt, token_ids(list(res))
+        except grpc.RpcError as e:
+            return prompt, e.code()
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(200)))
+    wrong = [(p, got) for p, got in results if got != references[p]]
+    assert not wrong, f"{len(wrong)} of 200 wrong or failed, e.g. {wrong[:3]}"
+    after = _requests_served(server)
+    assert {r: after[r] - before.get(r, 0.0) for r in after} == {"0": 100, "1": 100}
+    reports = server.wait_idle()
+    decode = reports["decode-0"].load
+    assert decode.free_blocks == decode.total_blocks and decode.num_running == decode.num_waiting == 0
+    held = _ray_get(server.server.router.workers["decode-0"].client.actor.describe.remote())
+    assert held["pending"] == {} and held["requests"] == {} and held["held"] == []
+
+
+def test_admin_calls_reach_the_lead_through_either_replica(server, channels):
+    for _ in range(6):  # new connections: some land on the follower, which forwards to the lead
+        with _connect(server) as channel:
+            stub = admin_pb2_grpc.AdminStub(channel)
+            workers = stub.ListWorkers(admin.ListWorkersRequest(), timeout=30).workers
+            assert sorted(w.worker_id for w in workers) == ["decode-0", "prefill-0", "prefill-1"]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ScalePool(admin.ScalePoolRequest(pool=pb.POOL_KIND_DECODE, num_workers=0), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_workers" in e.value.details()
+
+
+def test_killing_a_replica_ends_only_its_streams_and_it_is_replaced(server, channels, references):
+    replicas = server.server.replicas
+    old = replicas.replicas[1]
+    results: dict[tuple[str, int], object] = {}
+    started = threading.Barrier(5)
+
+    def stream(replica: str, n: int) -> None:
+        prompt = PROMPTS[n]
+        got: list[int] = []
+        try:
+            for k, res in enumerate(channels[replica][n % 2].Generate(
+                    greedy_request(prompt, 200, ignore_eos=True), timeout=300)):
+                got += res.token_ids
+                if k == 2:
+                    started.wait(60)
+            results[replica, n] = got
+        except grpc.RpcError as e:
+            results[replica, n] = e.code()
+
+    threads = [threading.Thread(target=stream, args=(r, n)) for r in ("0", "1") for n in (0, 1)]
+    for t in threads:
+        t.start()
+    started.wait(120)
+    os.kill(old.info["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    for n in (0, 1):
+        lead = results["0", n]
+        assert isinstance(lead, list) and lead[:TOKENS] == references[PROMPTS[n]] and len(lead) == 200
+        assert results["1", n] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                   grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), results["1", n]
+    # the replacement: a new process under the same index, serving the same port
+    deadline = time.monotonic() + 120
+    while replicas.replaced < 1 or not replicas.replicas[1].started:
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(0.2)
+    new = replicas.replicas[1]
+    assert new.info["pid"] != old.info["pid"] and new.router_id != old.router_id
+    # what the dead replica's streams held on the workers is freed
+    reports = server.wait_idle()
+    assert all(r.load.free_blocks == r.load.total_blocks and r.load.num_running == 0 for r in reports.values())
+    # and new connections are served, by either replica
+    for _ in range(4):
+        with _connect(server) as channel:
+            got = token_ids(list(pb_grpc.GenerationStub(channel).Generate(
+                greedy_request(PROMPTS[2], TOKENS, ignore_eos=True), timeout=120)))
+            assert got == references[PROMPTS[2]]
+
+
+def _ray_get(ref):
+    import ray
+
+    return ray.get(ref, timeout=30)
