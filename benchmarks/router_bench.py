@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
 from collections.abc import AsyncIterator
+
+from benchmarks.output import emit
 
 BLOCK = 16
 
@@ -213,6 +214,91 @@ def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | Non
         prof.dump_stats(profile)
 
 
+def _connections(concurrency: int, clients: int) -> int:
+    """TCP connections per client process: up to 16, so the kernel spreads them over the replicas. NOTE: the
+    same for one router, since a connection's count changes the cost per token (gRPC coalesces the frames of
+    the streams sharing a connection into fewer writes)."""
+    return min(16, max(1, concurrency // clients))
+
+
+def _replica_pids() -> list[int]:
+    """Router replicas running as Ray actors (Ray titles their processes `ray::RouterReplica...`)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::RouterReplica"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _serve(repo: str, routers: int, port: int):
+    """`pdserve serve` (1 prefill + 1 decode worker, SmolLM2) from the checkout at `repo`; returns the process
+    once it answers health checks with SERVING."""
+    import subprocess
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", "smollm2-135m", "--prefill-workers", "1",
+           "--decode-workers", "1", "--port", str(port), "--metrics-port", str(port + 1)]
+    if routers > 1:
+        cmd += ["--routers", str(routers)]
+    proc = subprocess.Popen(cmd, cwd=repo, env={**os.environ, "PYTHONPATH": repo},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        while True:
+            try:
+                status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"pdserve serve from {repo} did not start (exit {proc.poll()})")
+            time.sleep(0.5)
+    while len(_replica_pids()) < routers - 1:
+        time.sleep(0.2)
+    return proc
+
+
+def run_served(concurrency: int, tokens: int, duration_s: float, routers: int, repo: str,
+               clients: int = 2, port: int = 50851) -> dict:
+    """One row against a real deployment (the checkout at `repo`): router CPU is the `pdserve serve` process
+    plus its router replicas, everything a router does per token included (Ray's step streams, pings,
+    load reports, lease renewals)."""
+    import signal
+
+    server = _serve(repo, routers, port)
+    pids = [server.pid, *_replica_pids()]
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    per = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
+    connections = _connections(concurrency, clients)
+    procs = [ctx.Process(target=_client_process, args=(port, n, tokens, duration_s, out_q, connections),
+                         daemon=True) for n in per if n]
+    try:
+        cpu0, t0 = sum(_cpu_seconds(p) for p in pids), time.monotonic()
+        for p in procs:
+            p.start()
+        results = [out_q.get(timeout=duration_s + 600) for _ in procs]
+        wall, cpu = time.monotonic() - t0, sum(_cpu_seconds(p) for p in pids) - cpu0
+        for p in procs:
+            p.join(30)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except Exception:  # noqa: BLE001 - a stuck shutdown must not hang the bench
+            server.kill()
+    return _row(results, wall, cpu, routers, concurrency, tokens, 0.0) | {"repo": repo}
+
+
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -290,8 +376,7 @@ def run(concurrency: int, tokens: int, step_s: float, duration_s: float, clients
         port = port_q.get(timeout=120)
         procs_r.append(r)
     per = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
-    # NOTE: several connections per client once there are replicas, so the kernel spreads the streams
-    connections = 1 if routers == 1 else min(8 * routers, max(1, concurrency // clients))
+    connections = _connections(concurrency, clients)
     procs = [ctx.Process(target=_client_process, args=(port, n, tokens, duration_s, out_q, connections),
                          daemon=True) for n in per if n]
     cpu0, t0 = sum(_cpu_seconds(r.pid) for r in procs_r), time.monotonic()
@@ -304,6 +389,10 @@ def run(concurrency: int, tokens: int, step_s: float, duration_s: float, clients
     stop_ev.set()
     for r in procs_r:
         r.join(30)
+    return _row(results, wall, cpu, routers, concurrency, tokens, step_s)
+
+
+def _row(results, wall: float, cpu: float, routers: int, concurrency: int, tokens: int, step_s: float) -> dict:
     ttfts = [x for r in results for x in r[0]]
     itls = [x for r in results for x in r[1]]
     relayed = len(ttfts) + len(itls)
@@ -326,33 +415,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routers", type=int, nargs="+", default=[1],
                     help="router replicas sharing the port; several values run side by side, interleaved "
                          "ABBA per concurrency (e.g. --routers 1 2)")
+    ap.add_argument("--serve", nargs="*", metavar="REPO", default=None,
+                    help="drive a real `pdserve serve` (SmolLM2, 1 prefill + 1 decode worker) started from each "
+                         "checkout REPO (default: this one) instead of fake workers, e.g. an older commit's "
+                         "worktree to compare against; rows interleave the checkouts and --routers ABBA")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, metavar="FILE", help="also write the rows here (JSON)")
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="cProfile the router process (the last concurrency's run) into FILE (pstats)")
     args = ap.parse_args(argv)
     rows = []
     # ABBA over the router counts: a drift of the shared machine during the run falls on both alike
     order = args.routers if len(args.routers) == 1 else args.routers + args.routers[::-1]
+    if args.serve is not None:
+        repos = args.serve or [os.getcwd()]
+        layouts = [(repo, n) for repo in repos for n in args.routers]
+        order = layouts if len(layouts) == 1 else layouts + layouts[::-1]
     for c in args.concurrency:
         for n in order:
-            print(f"concurrency {c}, {n} router(s): {args.duration:.0f}s of load...", file=sys.stderr, flush=True)
-            last = c == args.concurrency[-1]
-            rows.append(run(c, args.tokens, args.step_ms / 1e3, args.duration,
-                            profile=args.profile if last else None, routers=n))
+            if args.serve is not None:
+                (repo, n) = n
+                print(f"concurrency {c}, {n} router(s), pdserve serve from {repo}: {args.duration:.0f}s of load...",
+                      file=sys.stderr, flush=True)
+                rows.append(run_served(c, args.tokens, args.duration, n, repo))
+            else:
+                print(f"concurrency {c}, {n} router(s): {args.duration:.0f}s of load...", file=sys.stderr,
+                      flush=True)
+                last = c == args.concurrency[-1]
+                rows.append(run(c, args.tokens, args.step_ms / 1e3, args.duration,
+                                profile=args.profile if last else None, routers=n))
             r = rows[-1]
             print(f"  {r['tokens_per_s']:.0f} tokens/s, routers {r['router_cpu_ms_per_token']:.3f} CPU-ms/token "
                   f"({r['router_cores']:.2f} cores), TTFT p50 {r['ttft_ms']['p50']:.1f} ms, ITL p50 "
                   f"{r['itl_ms']['p50']:.1f} ms (+{r['itl_added_ms_p50']:.1f})", file=sys.stderr, flush=True)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print("| routers | streams | tokens/s | router CPU ms/token | router cores | TTFT p50/p99 ms | ITL p50/p99 ms |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['routers']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | "
-                  f"{r['router_cpu_ms_per_token']:.3f} | {r['router_cores']:.2f} | {r['ttft_ms']['p50']:.1f} / "
-                  f"{r['ttft_ms']['p99']:.1f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} |")
+    emit({"rows": rows}, args.out, args.json, _table)
     return 0
+
+
+def _table(summary: dict) -> str:
+    lines = ["| routers | streams | tokens/s | router CPU ms/token | router cores | TTFT p50/p99 ms | ITL p50/p99 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        lines.append(f"| {r['routers']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | "
+                     f"{r['router_cpu_ms_per_token']:.3f} | {r['router_cores']:.2f} | {r['ttft_ms']['p50']:.1f} / "
+                     f"{r['ttft_ms']['p99']:.1f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

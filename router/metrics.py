@@ -70,6 +70,10 @@ class _Stream:
 
     last_token_at: float
     num_tokens: int
+    # the ITL histogram child of the worker decoding it (NOTE: kept, not looked up by labels per token:
+    # the lookup was a tenth of the router's per-token cost); a migration changes the worker
+    itl: object = None
+    itl_worker: str | None = None
 
 
 class Metrics(RequestObserver):
@@ -147,6 +151,9 @@ class Metrics(RequestObserver):
             "pdserve_placement_total", "Disaggregated attempts by path: remote (prefill pool, KV shipped to the "
             "decode worker) or local (a short uncached prompt prefilled by its decode worker).",
             ["model", "path"], registry=r)
+        self.index_resyncs = Counter(
+            "pdserve_prefix_index_resyncs_total", "Times the router's prefix index fell behind a worker's "
+            "cache-change log and was rebuilt from a full snapshot, per worker.", ["model", "worker"], registry=r)
         self.workers_lost = Counter(
             "pdserve_workers_lost_total", "Workers that died or were declared dead (stuck, unreachable), by "
             "pool.", ["model", "pool"], registry=r)
@@ -186,9 +193,12 @@ class Metrics(RequestObserver):
             stream.last_token_at = event.time
             stream.num_tokens += n
         if gaps:
-            itl = self.itl.labels(self.model, _decode_pool(state.pool), state.decode_worker)
+            stream = self._streams[state.id]
+            if stream.itl_worker != state.decode_worker:
+                stream.itl = self.itl.labels(self.model, _decode_pool(state.pool), state.decode_worker)
+                stream.itl_worker = state.decode_worker
             for gap in gaps:
-                itl.observe(max(gap, 0.0))
+                stream.itl.observe(max(gap, 0.0))
 
     def on_end(self, req: ValidatedRequest, state: RequestState | None, outcome: str,
                completion_tokens: int) -> None:
@@ -259,6 +269,9 @@ class Metrics(RequestObserver):
             return
         self.kv_seconds.labels(self.model, src, dst).observe(seconds)
         self.kv_bytes.labels(self.model, src, dst).inc(num_bytes)
+
+    def on_cache_resync(self, worker: Worker) -> None:
+        self.index_resyncs.labels(self.model, worker.worker_id).inc()
 
     def on_worker_lost(self, worker: Worker) -> None:
         """Drop a lost worker's load gauges, so dashboards stop showing its last load as current.
