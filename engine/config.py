@@ -146,8 +146,19 @@ class SchedulerConfig:
     # token budget per step, shared by decode rows (1 token each) and prefill chunks
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    # the order prompts take what the step's budget leaves after decoding rows: "fifo" (arrival, a prompt
+    # keeps the budget until it is done), or "fair": the fewest uncomputed tokens first, each prompt's count
+    # lowered by `prefill_aging_tokens_per_s` for every second it has waited (so nothing starves), the
+    # longest chunked to what is left -- a short prompt waits at most one step behind a long one
+    prefill_order: str = "fifo"
+    prefill_aging_tokens_per_s: float = 2048.0
 
     def __post_init__(self) -> None:
+        if self.prefill_order not in ("fifo", "fair"):
+            raise ValueError(f"SchedulerConfig.prefill_order must be 'fifo' or 'fair', got {self.prefill_order!r}")
+        if self.prefill_aging_tokens_per_s < 0:
+            raise ValueError("SchedulerConfig.prefill_aging_tokens_per_s must be >= 0, "
+                             f"got {self.prefill_aging_tokens_per_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -2,7 +2,9 @@
 
 Each step, running sequences are served first (one token per decoding sequence, the next chunk for a prompt
 still prefilling), then waiting sequences are admitted FIFO while the budget, the sequence limit and the
-free blocks allow. A new sequence first takes whatever prefix of its prompt the prefix cache holds. When a
+free blocks allow. With `prefill_order="fair"`, decoding sequences still come first, but every prompt
+(prefilling or waiting) then takes the budget in order of its uncomputed tokens, lowered by how long it has
+waited: a short prompt is not stuck behind a long one, and the long one takes what is left of each step. A new sequence first takes whatever prefix of its prompt the prefix cache holds. When a
 running sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it is recomputed from scratch later (vLLM's recompute preemption).
 
@@ -14,6 +16,7 @@ preempting anyone.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -105,9 +108,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        fair = self.config.prefill_order == "fair"
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if fair and req.status == RequestStatus.PREFILLING:
+                i += 1  # prompts take their turn below, in fair order
+                continue
             drafts = self._propose(req, budget)
             if drafts and self._grow(req, req.num_tokens + len(drafts)):
                 out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(drafts), drafts))
@@ -126,6 +133,9 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        if fair:
+            self._schedule_prompts_fairly(out, budget)
+            return out
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
@@ -144,6 +154,55 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         return out
+
+    def _schedule_prompts_fairly(self, out: SchedulerOutput, budget: int) -> None:
+        """Prompts, prefilling and waiting alike, by uncomputed tokens less their aging credit."""
+        now, rate = time.monotonic(), self.config.prefill_aging_tokens_per_s
+
+        def key(r: Request) -> float:
+            return (r.num_tokens - r.num_computed_tokens) - rate * (now - r.arrival_time)
+
+        prompts = sorted([r for r in self.running if r.status == RequestStatus.PREFILLING] + list(self.waiting),
+                         key=key)
+        for req in prompts:
+            if budget <= 0:
+                return
+            if req.is_finished or req.status not in (RequestStatus.PREFILLING, RequestStatus.WAITING):
+                continue  # preempted (or ended) as a victim earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.status == RequestStatus.PREFILLING:
+                if not self._grow_or_preempt(req, req.num_computed_tokens + n, out):
+                    continue  # no room this step: it waits, holding what it has
+            else:
+                if out.preempted or len(self.running) >= self.config.max_num_seqs:
+                    continue
+                if cdiv(req.num_tokens, self.block_size) > self.allocator.num_blocks:
+                    self.waiting.remove(req)  # larger than the whole cache: it can never run
+                    self.finish(req, RequestStatus.FINISHED_LENGTH if req.output_token_ids
+                                else RequestStatus.FINISHED_ERROR)
+                    out.finished.append(req)
+                    continue
+                if not self._admit(req, budget):
+                    continue
+                self.waiting.remove(req)
+                self.running.append(req)
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+
+    def _grow_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Blocks for a prefilling prompt's next chunk, preempting the most recently admitted sequence that
+        has no chunk this step (as the FIFO order would); False when there is none to preempt."""
+        scheduled = {id(c.request) for c in out.chunks}
+        while not self._grow(req, num_tokens):
+            victims = [r for r in self.running if r is not req and id(r) not in scheduled]
+            if not victims:
+                return False
+            victim = victims[-1]
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        return True
 
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
         """Advance every scheduled sequence by the tokens sampled for its chunk (one, or the verified

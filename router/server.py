@@ -60,6 +60,7 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # decode/colocated step budget
     prefill_max_num_batched_tokens: int = 2048  # prefill pool: no decode rows to protect, bigger chunks
+    prefill_order: str = "fair"  # prompts by fewest uncomputed tokens, aged ("fifo": by arrival)
     max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
     admission_timeout_s: float = 60.0  # a request waits this long for KV room or a live worker
     max_queued_prefill_tokens: int = 65536  # per prefill worker, before RESOURCE_EXHAUSTED
@@ -106,6 +107,8 @@ class ServeConfig:
             raise ValueError(f"--speculative must be ngram (or absent), got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.prefill_order not in ("fair", "fifo"):
+            raise ValueError(f"--prefill-order must be fair or fifo, got {self.prefill_order!r}")
         if self.routers < 1:
             raise ValueError(f"--routers must be >= 1, got {self.routers}")
         if self.shutdown_grace < 0:
@@ -136,7 +139,8 @@ class ServeConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             max_model_len=self.max_model_len, num_threads=threads,
                             cache=CacheConfig(self.block_size, self.num_blocks),
-                            scheduler=SchedulerConfig(self.max_num_seqs, budget), speculative=spec)
+                            scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order),
+                            speculative=spec)
 
     def tls(self) -> TLSConfig | None:
         """The TLS files, checked to exist (ValueError naming the flag): at start, not at parse time, so a
@@ -219,7 +223,10 @@ class Server:
         servicer = GenerationServicer(c.model, tokenizer, limits, c.block_size, self.observer)
         self.servicer = servicer
 
-        self.grpc = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None)
+        # NOTE: gRPC sets SO_REUSEPORT by default, which would let a second deployment bind a taken port and
+        # silently take half its connections: only router replicas share a port
+        self.grpc = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None,
+                                    options=[("grpc.so_reuseport", 1 if c.routers > 1 else 0)])
         pb_grpc.add_GenerationServicer_to_server(servicer, self.grpc)
         # NOTE: the operator API shares the port, so the API key and TLS guard it exactly as they guard
         # generation: there is no unprotected side door

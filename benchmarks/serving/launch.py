@@ -21,7 +21,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-_SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin|separate|local))?$")
+_SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin|separate|local))?"
+                   r"(?::(?P<order>fair|fifo))?$")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Layout:
     # worker by node and free blocks: the baseline of joint placement, the default), "local" (joint placement
     # with local prefill on decode workers: conditional disaggregation)
     routing: str = "prefix"
+    prefill_order: str = "fair"  # the workers' prompt order ("fifo": arrival, the earlier default)
 
     @classmethod
     def parse(cls, spec: str) -> Layout:
@@ -40,11 +42,11 @@ class Layout:
         if m is None:
             raise ValueError(f"layout {spec!r}: expected NpMd (N prefill + M decode workers) or Nc (N colocated "
                              "workers), optionally followed by :prefix, :round-robin, :separate or :local, "
-                             "e.g. 2p1d:round-robin")
-        routing = m["routing"] or "prefix"
+                             "then optionally :fifo or :fair (the prompt order), e.g. 2p1d:round-robin, 2p1d:fifo")
+        routing, order = m["routing"] or "prefix", m["order"] or "fair"
         if m["c"] is not None:
-            return cls(0, 0, int(m["c"]), routing)
-        return cls(int(m["p"]), int(m["d"]), 0, routing)
+            return cls(0, 0, int(m["c"]), routing, order)
+        return cls(int(m["p"]), int(m["d"]), 0, routing, order)
 
     @property
     def num_workers(self) -> int:
@@ -54,7 +56,8 @@ class Layout:
     def label(self) -> str:
         shape = (f"{self.colocated_workers}c" if self.colocated_workers
                  else f"{self.prefill_workers}p{self.decode_workers}d")
-        return shape if self.routing == "prefix" else f"{shape}:{self.routing}"
+        label = shape if self.routing == "prefix" else f"{shape}:{self.routing}"
+        return label if self.prefill_order == "fair" else f"{label}:{self.prefill_order}"
 
     @property
     def description(self) -> str:
@@ -62,11 +65,13 @@ class Layout:
             what = f"{self.colocated_workers} colocated worker{'s' if self.colocated_workers > 1 else ''}"
         else:
             what = f"{self.prefill_workers} prefill + {self.decode_workers} decode workers"
+        order = "" if self.prefill_order == "fair" else ", prompts in arrival order"
         if self.routing == "separate":
-            return f"{what}, prefix routing, then the decode worker by node and free blocks"
+            return f"{what}, prefix routing, then the decode worker by node and free blocks{order}"
         if self.routing == "local":
-            return f"{what}, joint placement with local prefill"
-        return f"{what}, {self.routing} routing" + ("" if self.colocated_workers else ", joint placement")
+            return f"{what}, joint placement with local prefill{order}"
+        return (f"{what}, {self.routing} routing" + ("" if self.colocated_workers else ", joint placement")
+                + order)
 
     def serve_config(self, **options: Any):
         """The `ServeConfig` of this layout; `options` are its other fields (model, worker_threads, ...)."""
@@ -76,7 +81,7 @@ class Layout:
         return ServeConfig(prefill_workers=self.prefill_workers, decode_workers=self.decode_workers,
                            colocated_workers=self.colocated_workers, routing=routing,
                            placement="separate" if self.routing == "separate" else "joint",
-                           local_prefill=self.routing == "local", **options)
+                           local_prefill=self.routing == "local", prefill_order=self.prefill_order, **options)
 
 
 class LocalDeployment:

@@ -87,7 +87,10 @@ def test_kuberay_cluster_job_and_service_fit_together():
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
     assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
     serve = serve_command(job["spec"]["entrypoint"])
-    assert {p["port"] for p in service["spec"]["ports"]} == {serve.port, serve.metrics_port, serve.http_port}
+    # every router replica's /metrics: --metrics-port + i
+    metrics_ports = {serve.metrics_port + i for i in range(serve.routers)}
+    assert {p["port"] for p in service["spec"]["ports"]} == {serve.port, serve.http_port} | metrics_ports
+    assert metrics_ports <= head_ports
     res = pool_resources(serve)
     assert res[PoolKind.PREFILL]["prefill_node"] == 1 and res[PoolKind.DECODE]["decode_node"] == 1
 
@@ -115,7 +118,7 @@ def test_kuberay_files_expose_nothing_but_a_protected_front_door(monkeypatch):
         ports = {p["port"] for p in rule.get("ports", [])}
         if "from" not in rule:
             open_ports |= ports
-        elif ports == {serve.metrics_port}:
+        elif ports == {serve.metrics_port + i for i in range(serve.routers)}:
             assert all((f.get("namespaceSelector") or f.get("podSelector") or {}).get("matchLabels")
                        for f in rule["from"]), rule  # a named namespace or pods: never "anyone"
         else:

@@ -85,11 +85,12 @@ def test_mixed_length_batch_equals_each_sequence_alone():
             assert rel_err(ours, want) <= 1e-5
 
 
-def test_preemption_under_block_pressure_recomputes_and_matches():
+@pytest.mark.parametrize("order", ["fifo", "fair"])
+def test_preemption_under_block_pressure_recomputes_and_matches(order):
     prompts = [PROMPT[i:i + 20] for i in range(8)]
     want = [_alone(p, 40) for p in prompts]
     # 8 requests x 60 tokens need 32 blocks; 10 blocks force repeated preemption
-    engine = make_engine(num_blocks=10, prefix_caching=False)
+    engine = make_engine(num_blocks=10, prefix_caching=False, prefill_order=order)
     reqs = [engine.add_request(p, greedy(40, ignore_eos=True)) for p in prompts]
     preempted = 0
     while engine.has_unfinished_requests():
@@ -151,3 +152,41 @@ def test_a_paused_sequence_keeps_its_blocks_and_resumes_where_it_was():
     assert engine.scheduler.pause(other.request_id)
     engine.abort_request(other.request_id)  # aborting a paused sequence frees its blocks
     assert not engine.scheduler.paused and engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+LONG = [(7 * i + 3) % 250 for i in range(300)]
+
+
+@pytest.mark.parametrize("order", ["fifo", "fair"])
+def test_a_short_prompt_behind_a_long_one_waits_one_step_in_fair_order(order):
+    engine = make_engine(max_num_batched_tokens=64, prefill_order=order)
+    long = engine.add_request(LONG, greedy(4, ignore_eos=True))
+    engine.step()  # the long prompt's first chunk: it is prefilling now
+    short = engine.add_request(PROMPT[:10], greedy(4, ignore_eos=True))
+    out = engine.scheduler.schedule()
+    got = {c.request.request_id: c.num_tokens for c in out.chunks}
+    if order == "fair":  # the short prompt first, the long one chunked to what is left
+        assert got == {short.request_id: 10, long.request_id: 54}
+    else:  # FIFO: the long prompt keeps the whole budget until it is done
+        assert got == {long.request_id: 64}
+    engine.scheduler.update(out, [[t] for t in engine.runner.execute(out).argmax(-1).tolist()])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert long.output_token_ids == _alone(LONG, 4) and short.output_token_ids == _alone(PROMPT[:10], 4)
+    assert engine.allocator.num_used_blocks == 0
+
+
+def test_fair_order_ages_a_long_prompt_ahead_of_newer_short_ones():
+    engine = make_engine(max_num_batched_tokens=64, prefill_order="fair")
+    long = engine.add_request(LONG, greedy(1, ignore_eos=True))
+    shorts = [engine.add_request(PROMPT[i:i + 12], greedy(1, ignore_eos=True)) for i in range(3)]
+    out = engine.scheduler.schedule()
+    assert [c.request for c in out.chunks] == shorts + [long]  # fewest tokens first; the long takes the rest
+    engine.scheduler.update(out, [[t] for t in engine.runner.execute(out).argmax(-1).tolist()])
+    # 272 tokens left, 2,048 tokens of credit per second: after a second of waiting it outranks a new short
+    # prompt, and takes the whole step
+    long.arrival_time -= 1.0
+    newer = engine.add_request(PROMPT[20:32], greedy(1, ignore_eos=True))
+    out = engine.scheduler.schedule()
+    assert [(c.request, c.num_tokens) for c in out.chunks] == [(long, 64)]
+    assert newer in engine.scheduler.waiting

@@ -5,6 +5,7 @@ replica ends only its own streams, the other keeps serving, and the replica is r
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -20,6 +21,7 @@ from protos.pdserve.v1 import admin_pb2 as admin
 from protos.pdserve.v1 import admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.server import ServeConfig, ServeError, Server
 from tests.serving.conftest import greedy_request, running_server, token_ids
 
 pytestmark = pytest.mark.slow
@@ -193,6 +195,14 @@ def test_killing_a_replica_ends_only_its_streams_and_it_is_replaced(server, chan
             got = token_ids(list(pb_grpc.GenerationStub(channel).Generate(
                 greedy_request(PROMPTS[2], TOKENS, ignore_eos=True), timeout=120)))
             assert got == references[PROMPTS[2]]
+
+
+def test_a_lone_router_does_not_share_a_taken_port(server):
+    """gRPC sets SO_REUSEPORT by default; only replicas may share a port, or a second deployment started on
+    the same port would silently take half of the first one's connections."""
+    lone = Server(ServeConfig(model=MODEL, port=server.server.port, metrics_port=None, http_port=None))
+    with pytest.raises(ServeError, match="is the port taken"):
+        asyncio.run(lone.start())
 
 
 def _ray_get(ref):
