@@ -139,12 +139,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            if cdiv(req.num_tokens, self.block_size) > self.allocator.num_blocks:
-                # larger than the whole cache (it grew there decoding): it can never run again
-                self.waiting.popleft()
-                self.finish(req, RequestStatus.FINISHED_LENGTH if req.output_token_ids
-                            else RequestStatus.FINISHED_ERROR)
-                out.finished.append(req)
+            if self._end_if_too_large(req, out):
                 continue
             if not self._admit(req, budget):
                 break
@@ -176,11 +171,7 @@ class Scheduler:
             else:
                 if out.preempted or len(self.running) >= self.config.max_num_seqs:
                     continue
-                if cdiv(req.num_tokens, self.block_size) > self.allocator.num_blocks:
-                    self.waiting.remove(req)  # larger than the whole cache: it can never run
-                    self.finish(req, RequestStatus.FINISHED_LENGTH if req.output_token_ids
-                                else RequestStatus.FINISHED_ERROR)
-                    out.finished.append(req)
+                if self._end_if_too_large(req, out):
                     continue
                 if not self._admit(req, budget):
                     continue
@@ -189,6 +180,14 @@ class Scheduler:
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
+
+    def _end_if_too_large(self, req: Request, out: SchedulerOutput) -> bool:
+        """End a waiting request larger than the whole cache (it grew there decoding): it can never run."""
+        if cdiv(req.num_tokens, self.block_size) <= self.allocator.num_blocks:
+            return False
+        self.finish(req, RequestStatus.FINISHED_LENGTH if req.output_token_ids else RequestStatus.FINISHED_ERROR)
+        out.finished.append(req)
+        return True
 
     def _grow_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Blocks for a prefilling prompt's next chunk, preempting the most recently admitted sequence that
