@@ -239,6 +239,7 @@ class Metrics(RequestObserver):
         known = self._workers.get(worker.kind.value)
         if known is not None and worker.worker_id not in known:
             known.add(worker.worker_id)
+            self.index_resyncs.labels(self.model, worker.worker_id)  # a zero series from its first report
             # every (prefill, decode) pair gets its zero failure and byte counters as soon as both are known
             for src in self._workers[PoolKind.PREFILL.value]:
                 for dst in self._workers[PoolKind.DECODE.value]:

@@ -43,6 +43,7 @@ EXPECTED = {
     "pdserve_kv_move_failures": ("counter", {"model", "src", "dst"}),
     "pdserve_placement": ("counter", {"model", "path"}),
     "pdserve_workers_lost": ("counter", {"model", "pool"}),
+    "pdserve_prefix_index_resyncs": ("counter", {"model", "worker"}),
     "pdserve_pool_live_workers": ("gauge", {"model", "pool"}),
     "pdserve_pool_target_workers": ("gauge", {"model", "pool"}),
     "pdserve_pool_serving": ("gauge", {"model", "pool"}),
