@@ -152,10 +152,16 @@ class SchedulerConfig:
     # longest chunked to what is left -- a short prompt waits at most one step behind a long one
     prefill_order: str = "fifo"
     prefill_aging_tokens_per_s: float = 2048.0
+    # fair order: the most tokens one prompt computes per step (0: the whole budget). NOTE: a step cannot be
+    # interrupted, so this bounds how long a prompt that just arrived waits for the step in progress; a
+    # prompt's chunks stay large enough to be compute-bound, and several prompts share a step.
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prefill_order not in ("fifo", "fair"):
             raise ValueError(f"SchedulerConfig.prefill_order must be 'fifo' or 'fair', got {self.prefill_order!r}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"SchedulerConfig.prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
         if self.prefill_aging_tokens_per_s < 0:
             raise ValueError("SchedulerConfig.prefill_aging_tokens_per_s must be >= 0, "
                              f"got {self.prefill_aging_tokens_per_s}")

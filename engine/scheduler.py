@@ -153,6 +153,7 @@ class Scheduler:
     def _schedule_prompts_fairly(self, out: SchedulerOutput, budget: int) -> None:
         """Prompts, prefilling and waiting alike, by uncomputed tokens less their aging credit."""
         now, rate = time.monotonic(), self.config.prefill_aging_tokens_per_s
+        cap = self.config.prefill_chunk_tokens or budget
 
         def key(r: Request) -> float:
             return (r.num_tokens - r.num_computed_tokens) - rate * (now - r.arrival_time)
@@ -164,7 +165,7 @@ class Scheduler:
                 return
             if req.is_finished or req.status not in (RequestStatus.PREFILLING, RequestStatus.WAITING):
                 continue  # preempted (or ended) as a victim earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             if req.status == RequestStatus.PREFILLING:
                 if not self._grow_or_preempt(req, req.num_computed_tokens + n, out):
                     continue  # no room this step: it waits, holding what it has
@@ -173,11 +174,11 @@ class Scheduler:
                     continue
                 if self._end_if_too_large(req, out):
                     continue
-                if not self._admit(req, budget):
+                if not self._admit(req, min(budget, cap)):
                     continue
                 self.waiting.remove(req)
                 self.running.append(req)
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
 

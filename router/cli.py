@@ -69,6 +69,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-order", choices=["fair", "fifo"], default="fair",
                    help="the order prompts share each engine step: fair (fewest uncomputed tokens first, aged so "
                         "none starves: a short prompt is not stuck behind a long one) or fifo (arrival)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=512,
+                   help="fair order: the most tokens one prompt computes per engine step (0: the whole step "
+                        "budget); bounds how long a new prompt waits for the step in progress")
     p.add_argument("--routers", type=int, default=1,
                    help="router replicas over the same pools, sharing --port and --http-port (SO_REUSEPORT): "
                         "this process is the lead, the others run as Ray actors; each relays its own "
@@ -148,6 +151,7 @@ def serve_config(args: argparse.Namespace):
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens, routers=args.routers, prefill_order=args.prefill_order,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         routers_spread=args.routers_spread)
 
 

@@ -61,6 +61,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 512  # decode/colocated step budget
     prefill_max_num_batched_tokens: int = 2048  # prefill pool: no decode rows to protect, bigger chunks
     prefill_order: str = "fair"  # prompts by fewest uncomputed tokens, aged ("fifo": by arrival)
+    prefill_chunk_tokens: int = 512  # fair order: the most one prompt computes per step (0: the whole budget)
     max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
     admission_timeout_s: float = 60.0  # a request waits this long for KV room or a live worker
     max_queued_prefill_tokens: int = 65536  # per prefill worker, before RESOURCE_EXHAUSTED
@@ -109,6 +110,9 @@ class ServeConfig:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.prefill_order not in ("fair", "fifo"):
             raise ValueError(f"--prefill-order must be fair or fifo, got {self.prefill_order!r}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"--prefill-chunk-tokens must be >= 0 (0: the whole step budget), got "
+                             f"{self.prefill_chunk_tokens}")
         if self.routers < 1:
             raise ValueError(f"--routers must be >= 1, got {self.routers}")
         if self.shutdown_grace < 0:
@@ -139,7 +143,8 @@ class ServeConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             max_model_len=self.max_model_len, num_threads=threads,
                             cache=CacheConfig(self.block_size, self.num_blocks),
-                            scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order),
+                            scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order,
+                                                      prefill_chunk_tokens=self.prefill_chunk_tokens),
                             speculative=spec)
 
     def tls(self) -> TLSConfig | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
 from tests.engine.helpers import greedy, make_engine, rel_err, run_capturing_logits
 
 PROMPT = [(11 * i + 5) % 250 for i in range(70)]
@@ -190,3 +191,17 @@ def test_fair_order_ages_a_long_prompt_ahead_of_newer_short_ones():
     out = engine.scheduler.schedule()
     assert [(c.request, c.num_tokens) for c in out.chunks] == [(long, 64)]
     assert newer in engine.scheduler.waiting
+
+
+def test_fair_order_caps_one_prompts_chunk_so_a_step_stays_short():
+    engine = LLMEngine(EngineConfig(model="tiny-random", device="cpu", dtype="float32",
+                                    cache=CacheConfig(block_size=16, num_blocks=256),
+                                    scheduler=SchedulerConfig(64, 256, prefill_order="fair", prefill_chunk_tokens=64)))
+    long = engine.add_request(LONG, greedy(2, ignore_eos=True))
+    assert [c.num_tokens for c in engine.step()[0].chunks] == [64]  # alone, it still takes only its cap
+    shorts = [engine.add_request(PROMPT[i:i + 30], greedy(2, ignore_eos=True)) for i in range(2)]
+    out, _ = engine.step()
+    assert [(c.request, c.num_tokens) for c in out.chunks] == [(shorts[0], 30), (shorts[1], 30), (long, 64)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert long.output_token_ids == _alone(LONG, 2)

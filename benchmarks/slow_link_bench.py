@@ -1,0 +1,151 @@
+"""One slow link: does joint (prefill, decode) placement route around it, and what does the node-only rule pay?
+
+    python -m benchmarks.slow_link_bench [--rate 50mbit] [--requests 12] [--prompt-tokens 512] [--out FILE]
+
+A real three-node Ray cluster on this machine (`python -m tests.cluster`: one network namespace per node,
+veth links through a bridge): the head holds the prefill worker, nodes d1 and d2 one decode worker each.
+d1's link is throttled (tbf) to `--rate`. Each layout is a fresh `pdserve` deployment on that cluster, run
+from the head's namespace, serving the same sequence of prompts (distinct, so no prefix cache helps):
+
+- `separate`: the decode worker by node (neither is on the prefill worker's node) then free blocks: the
+  two alternate, so about half the prompts' KV crosses the slow link;
+- `joint`: every (prefill, decode) pair scored by the cost model, whose per-pair link rate is learned from
+  the KV transfers it sees (the node prior until then).
+
+The layouts run ABBA. Reported per layout: TTFT (the first token leaves before the KV lands, so the link
+barely shows there), the time to the *second* token (the first decode token: prefill + KV transfer +
+admission, where the link shows), and the share of prompts sent over the slow link. Needs root and `ip
+netns` (the test suite's cluster harness); Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.output import emit
+
+HEAD_NS = "pdc-head"
+SLOW_NODE_IP = "10.213.7.11"  # d1 (tests.cluster's addresses)
+
+
+def _cluster(*args: str) -> str:
+    res = subprocess.run([sys.executable, "-m", "tests.cluster", *args], capture_output=True, text=True,
+                         timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"tests.cluster {' '.join(args)} failed: {res.stderr.strip() or res.stdout.strip()}")
+    return res.stdout
+
+
+def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed: int) -> dict:
+    """One layout, from inside the head node's namespace: start it, send the prompts one by one."""
+    import grpc
+
+    from benchmarks.serving.launch import LocalDeployment
+    from protos.pdserve.v1 import generation_pb2 as pb
+    from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+    from router.server import ServeConfig, init_ray
+
+    init_ray(address, 3)
+    config = ServeConfig(model="smollm2-135m", ray_address=address, port=0, metrics_port=None, http_port=None,
+                         worker_threads=1, num_blocks=256, prefill_workers=1, decode_workers=2,
+                         prefill_resources={"CPU": 1, "prefill_node": 1},
+                         decode_resources={"CPU": 1, "decode_node": 1}, placement=placement)
+    rng = random.Random(seed)
+    rows = []
+    with LocalDeployment(config) as dep:
+        node_ip = {w.worker_id: w.info.node_ip for w in dep.server.registry.live()}
+        with grpc.insecure_channel(dep.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for i in range(requests):
+                prompt = [rng.randrange(100, 40000) for _ in range(prompt_tokens)]
+                req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt),
+                                         sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                t0, times, last = time.perf_counter(), [], None
+                for res in stub.Generate(req, timeout=600):
+                    times += [time.perf_counter() - t0] * len(res.token_ids)
+                    last = res
+                print(f"  {placement} request {i + 1}/{requests}: to {last.decode_worker_id}, second token "
+                      f"at {times[1]:.2f}s", file=sys.stderr, flush=True)
+                rows.append({"ttft_s": times[0], "second_token_s": times[1], "decode": last.decode_worker_id,
+                             "slow_link": node_ip[last.decode_worker_id] == SLOW_NODE_IP})
+    return {"placement": placement, "requests": rows}
+
+
+def _summary(runs: list[dict]) -> dict:
+    out = {}
+    for placement in dict.fromkeys(r["placement"] for r in runs):
+        rows = [x for r in runs if r["placement"] == placement for x in r["requests"]]
+        out[placement] = {
+            "requests": len(rows),
+            "ttft_p50_s": statistics.median(x["ttft_s"] for x in rows),
+            "second_token_p50_s": statistics.median(x["second_token_s"] for x in rows),
+            "second_token_mean_s": statistics.fmean(x["second_token_s"] for x in rows),
+            "slow_link_share": sum(x["slow_link"] for x in rows) / len(rows),
+        }
+    if {"separate", "joint"} <= out.keys():
+        out["joint_vs_separate_second_token_p50"] = (out["separate"]["second_token_p50_s"]
+                                                     / out["joint"]["second_token_p50_s"])
+    return out
+
+
+def _table(summary: dict) -> str:
+    s = summary["summary"]
+    lines = [f"d1's link at {summary['rate']}; {summary['prompt_tokens']}-token prompts",
+             "| placement | TTFT p50 | second token p50 / mean | over the slow link |", "|---|---|---|---|"]
+    for p in ("separate", "joint"):
+        if p in s:
+            r = s[p]
+            lines.append(f"| {p} | {r['ttft_p50_s']:.2f} s | {r['second_token_p50_s']:.2f} / "
+                         f"{r['second_token_mean_s']:.2f} s | {r['slow_link_share']:.0%} |")
+    if "joint_vs_separate_second_token_p50" in s:
+        lines.append(f"joint is {s['joint_vs_separate_second_token_p50']:.2f}x faster to the second token (p50)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", default="50mbit", help="d1's link rate (tc tbf syntax)")
+    ap.add_argument("--requests", type=int, default=12, help="prompts per layout run")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, metavar="FILE")
+    ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)  # placement, run in the head's namespace
+    ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.inner:
+        print("RESULT " + json.dumps(_inner(args.inner, args.address, args.requests, args.prompt_tokens,
+                                            args.seed)), flush=True)
+        return 0
+
+    print("starting the three-node cluster...", file=sys.stderr, flush=True)
+    up = _cluster("up")
+    address = up.split("Ray head at ", 1)[1].split(";", 1)[0].strip()
+    runs = []
+    try:
+        _cluster("throttle", "d1", args.rate)
+        for placement in ("separate", "joint", "joint", "separate"):  # ABBA
+            print(f"layout {placement}...", file=sys.stderr, flush=True)
+            res = subprocess.run(["ip", "netns", "exec", HEAD_NS, sys.executable, "-m", "benchmarks.slow_link_bench",
+                                  "--inner", placement, "--address", address, "--requests", str(args.requests),
+                                  "--prompt-tokens", str(args.prompt_tokens), "--seed", str(len(runs) // 2)],
+                                 stdout=subprocess.PIPE, text=True, timeout=1800)
+            lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+            if res.returncode != 0 or not lines:
+                raise RuntimeError(f"the {placement} run failed (exit {res.returncode})")
+            runs.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        _cluster("down")
+    summary = {"rate": args.rate, "prompt_tokens": args.prompt_tokens, "runs": runs, "summary": _summary(runs)}
+    emit(summary, args.out, args.json, _table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
