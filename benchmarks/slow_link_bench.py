@@ -1,20 +1,22 @@
 """One slow link: does joint (prefill, decode) placement route around it, and what does the node-only rule pay?
 
-    python -m benchmarks.slow_link_bench [--rate 50mbit] [--requests 12] [--prompt-tokens 512] [--out FILE]
+    python -m benchmarks.slow_link_bench [--rate 50mbit] [--requests 12] [--concurrency 2] [--out FILE]
 
 A real three-node Ray cluster on this machine (`python -m tests.cluster`: one network namespace per node,
 veth links through a bridge): the head holds the prefill worker, nodes d1 and d2 one decode worker each.
 d1's link is throttled (tbf) to `--rate`. Each layout is a fresh `pdserve` deployment on that cluster, run
 from the head's namespace, serving the same sequence of prompts (distinct, so no prefix cache helps):
 
-- `separate`: the decode worker by node (neither is on the prefill worker's node) then free blocks: the
-  two alternate, so about half the prompts' KV crosses the slow link;
+- `separate`: the decode worker by node (neither is on the prefill worker's node) then free blocks: with
+  two prompts in flight the two alternate, so about half the prompts' KV crosses the slow link;
 - `joint`: every (prefill, decode) pair scored by the cost model, whose per-pair link rate is learned from
   the KV transfers it sees (the node prior until then).
 
 The layouts run ABBA. Reported per layout: TTFT (the first token leaves before the KV lands, so the link
 barely shows there), the time to the *second* token (the first decode token: prefill + KV transfer +
-admission, where the link shows), and the share of prompts sent over the slow link. Needs root and `ip
+admission), the KV wait between the two (where the link shows), and the share of prompts sent over the
+slow link, overall and after each run's first `WARMUP` prompts (joint placement learns a pair's rate from
+the transfers it sees: its first prompts may cross the slow link before it is measured). Needs root and `ip
 netns` (the test suite's cluster harness); Linux only.
 """
 
@@ -31,6 +33,7 @@ import time
 from benchmarks.output import emit
 
 HEAD_NS = "pdc-head"
+WARMUP = 4  # prompts per run before the steady-state share is counted
 SLOW_NODE_IP = "10.213.7.11"  # d1 (tests.cluster's addresses)
 
 
@@ -42,8 +45,11 @@ def _cluster(*args: str) -> str:
     return res.stdout
 
 
-def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed: int) -> dict:
-    """One layout, from inside the head node's namespace: start it, send the prompts one by one."""
+def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed: int,
+           concurrency: int) -> dict:
+    """One layout, from inside the head node's namespace: start it, keep `concurrency` prompts in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import grpc
 
     from benchmarks.serving.launch import LocalDeployment
@@ -57,14 +63,14 @@ def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed
                          prefill_resources={"CPU": 1, "prefill_node": 1},
                          decode_resources={"CPU": 1, "decode_node": 1}, placement=placement)
     rng = random.Random(seed)
-    rows = []
+    prompts = [[rng.randrange(100, 40000) for _ in range(prompt_tokens)] for _ in range(requests)]
     with LocalDeployment(config) as dep:
         node_ip = {w.worker_id: w.info.node_ip for w in dep.server.registry.live()}
         with grpc.insecure_channel(dep.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            for i in range(requests):
-                prompt = [rng.randrange(100, 40000) for _ in range(prompt_tokens)]
-                req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt),
+
+            def one(i: int) -> dict:
+                req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompts[i]),
                                          sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
                 t0, times, last = time.perf_counter(), [], None
                 for res in stub.Generate(req, timeout=600):
@@ -72,39 +78,50 @@ def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed
                     last = res
                 print(f"  {placement} request {i + 1}/{requests}: to {last.decode_worker_id}, second token "
                       f"at {times[1]:.2f}s", file=sys.stderr, flush=True)
-                rows.append({"ttft_s": times[0], "second_token_s": times[1], "decode": last.decode_worker_id,
-                             "slow_link": node_ip[last.decode_worker_id] == SLOW_NODE_IP})
-    return {"placement": placement, "requests": rows}
+                return {"ttft_s": times[0], "second_token_s": times[1], "decode": last.decode_worker_id,
+                        "slow_link": node_ip[last.decode_worker_id] == SLOW_NODE_IP}
+
+            with ThreadPoolExecutor(concurrency) as pool:
+                rows = list(pool.map(one, range(requests)))
+    return {"placement": placement, "concurrency": concurrency, "requests": rows}
 
 
 def _summary(runs: list[dict]) -> dict:
     out = {}
     for placement in dict.fromkeys(r["placement"] for r in runs):
         rows = [x for r in runs if r["placement"] == placement for x in r["requests"]]
+        steady = [x for r in runs if r["placement"] == placement for x in r["requests"][WARMUP:]]
         out[placement] = {
             "requests": len(rows),
             "ttft_p50_s": statistics.median(x["ttft_s"] for x in rows),
             "second_token_p50_s": statistics.median(x["second_token_s"] for x in rows),
             "second_token_mean_s": statistics.fmean(x["second_token_s"] for x in rows),
+            "kv_wait_mean_s": statistics.fmean(x["second_token_s"] - x["ttft_s"] for x in rows),
+            "kv_wait_steady_mean_s": statistics.fmean(x["second_token_s"] - x["ttft_s"] for x in steady)
+            if steady else float("nan"),
             "slow_link_share": sum(x["slow_link"] for x in rows) / len(rows),
+            "slow_link_share_steady": sum(x["slow_link"] for x in steady) / len(steady) if steady else float("nan"),
         }
     if {"separate", "joint"} <= out.keys():
-        out["joint_vs_separate_second_token_p50"] = (out["separate"]["second_token_p50_s"]
-                                                     / out["joint"]["second_token_p50_s"])
+        out["joint_vs_separate_kv_wait_steady"] = (out["separate"]["kv_wait_steady_mean_s"]
+                                                   / out["joint"]["kv_wait_steady_mean_s"])
     return out
 
 
 def _table(summary: dict) -> str:
     s = summary["summary"]
     lines = [f"d1's link at {summary['rate']}; {summary['prompt_tokens']}-token prompts",
-             "| placement | TTFT p50 | second token p50 / mean | over the slow link |", "|---|---|---|---|"]
+             "| placement | TTFT p50 | second token p50 / mean | KV wait mean: all / after warm-up | "
+             "over the slow link: all / after warm-up |", "|---|---|---|---|---|"]
     for p in ("separate", "joint"):
         if p in s:
             r = s[p]
             lines.append(f"| {p} | {r['ttft_p50_s']:.2f} s | {r['second_token_p50_s']:.2f} / "
-                         f"{r['second_token_mean_s']:.2f} s | {r['slow_link_share']:.0%} |")
-    if "joint_vs_separate_second_token_p50" in s:
-        lines.append(f"joint is {s['joint_vs_separate_second_token_p50']:.2f}x faster to the second token (p50)")
+                         f"{r['second_token_mean_s']:.2f} s | {r['kv_wait_mean_s']:.2f} / "
+                         f"{r['kv_wait_steady_mean_s']:.2f} s | {r['slow_link_share']:.0%} / "
+                         f"{r['slow_link_share_steady']:.0%} |")
+    if "joint_vs_separate_kv_wait_steady" in s:
+        lines.append(f"after warm-up, joint's mean KV wait is {s['joint_vs_separate_kv_wait_steady']:.1f}x shorter")
     return "\n".join(lines)
 
 
@@ -113,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", default="50mbit", help="d1's link rate (tc tbf syntax)")
     ap.add_argument("--requests", type=int, default=12, help="prompts per layout run")
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=2, help="prompts in flight")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, metavar="FILE")
     ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)  # placement, run in the head's namespace
@@ -121,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.inner:
         print("RESULT " + json.dumps(_inner(args.inner, args.address, args.requests, args.prompt_tokens,
-                                            args.seed)), flush=True)
+                                            args.seed, args.concurrency)), flush=True)
         return 0
 
     print("starting the three-node cluster...", file=sys.stderr, flush=True)
@@ -134,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"layout {placement}...", file=sys.stderr, flush=True)
             res = subprocess.run(["ip", "netns", "exec", HEAD_NS, sys.executable, "-m", "benchmarks.slow_link_bench",
                                   "--inner", placement, "--address", address, "--requests", str(args.requests),
-                                  "--prompt-tokens", str(args.prompt_tokens), "--seed", str(len(runs) // 2)],
+                                  "--prompt-tokens", str(args.prompt_tokens), "--seed", str(len(runs) // 2),
+                                  "--concurrency", str(args.concurrency)],
                                  stdout=subprocess.PIPE, text=True, timeout=1800)
             lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
             if res.returncode != 0 or not lines:

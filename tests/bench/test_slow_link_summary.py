@@ -14,13 +14,14 @@ def run(placement: str, seconds: list[float], slow: list[bool]) -> dict:
 
 
 def test_the_summary_pools_abba_runs_per_placement_and_compares_them():
-    runs = [run("separate", [1.0, 4.0], [False, True]), run("joint", [1.0, 1.2], [False, False]),
-            run("joint", [1.1, 4.2], [False, True]), run("separate", [4.1, 1.1], [True, False])]
+    slow = [True, False] * 3  # warm-up (WARMUP = 4), then the steady part
+    runs = [run("separate", [4.0, 1.0] * 3, slow), run("joint", [4.0, 1.0, 1.0, 1.0, 1.0, 1.0], [True] + [False] * 5),
+            run("joint", [1.0] * 6, [False] * 6), run("separate", [4.0, 1.0] * 3, slow)]
     s = _summary(runs)
-    assert s["separate"]["requests"] == 4 and s["separate"]["slow_link_share"] == 0.5
-    assert s["joint"]["slow_link_share"] == 0.25
-    assert s["separate"]["second_token_p50_s"] == pytest.approx((1.1 + 4.0) / 2)
-    assert s["joint"]["second_token_p50_s"] == pytest.approx((1.1 + 1.2) / 2)
-    assert s["joint_vs_separate_second_token_p50"] == pytest.approx(2.55 / 1.15)
+    assert s["separate"]["requests"] == 12 and s["separate"]["slow_link_share"] == 0.5
+    assert s["separate"]["slow_link_share_steady"] == 0.5 and s["joint"]["slow_link_share_steady"] == 0.0
+    assert s["joint"]["slow_link_share"] == pytest.approx(1 / 12)
+    assert s["separate"]["kv_wait_steady_mean_s"] == pytest.approx(2.0) and s["joint"]["kv_wait_steady_mean_s"] == 0.5
+    assert s["joint_vs_separate_kv_wait_steady"] == pytest.approx(4.0)
     text = _table({"rate": "50mbit", "prompt_tokens": 512, "summary": s})
-    assert "| separate |" in text and "| joint |" in text and "2.22x" in text
+    assert "| separate |" in text and "| joint |" in text and "4.0x shorter" in text
