@@ -76,7 +76,7 @@ def _fake_worker_classes():
         async def abort(self, key, timeout):
             pass
 
-        async def release_router(self, router_id, timeout):
+        async def release_router(self, router_id, timeout, final=True):
             return 0
 
         async def pause(self, key, timeout):

@@ -59,6 +59,9 @@ from kv_transfer import KVTransferConfig, TransferResult, create_receiver, creat
 DEFAULT_LEASE_S = 30.0
 # a drained sequence's KV must have reached the other decode worker this long after the move began
 KV_MOVE_TIMEOUT_S = 30.0
+# steps kept for a router replica that has not subscribed yet (a fresh worker reached first): beyond this the
+# replica is not coming (it died before subscribing), and its sequences are freed by `release_router`
+MAX_EARLY_STEPS = 4096
 
 
 @dataclass
@@ -128,6 +131,8 @@ class DecodeWorker:
         subscribing again replaces the replica's previous stream."""
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         with self._outbox_lock:
+            if router_id in self._released:
+                return  # a replica declared gone: a late subscription of its must not take steps again
             self._outboxes[router_id] = (asyncio.get_running_loop(), queue)
             early = self._early.pop(router_id, [])
         try:
@@ -140,15 +145,17 @@ class DecodeWorker:
                 if self._outboxes.get(router_id, (None, None))[1] is queue:
                     del self._outboxes[router_id]
 
-    async def release_router(self, router_id: str) -> int:
-        """A router replica is gone: free everything its attempts hold here (its clients' connections went
-        with it). Returns how many attempts were freed."""
+    async def release_router(self, router_id: str, final: bool = True) -> int:
+        """Free everything router replica `router_id`'s attempts hold here. `final`: the replica is gone (its
+        clients' connections went with it): its steps go nowhere from now on; otherwise it lost its step
+        stream and subscribes again. Returns how many attempts were freed."""
 
         def release() -> int:
             with self._outbox_lock:
                 self._outboxes.pop(router_id, None)
                 self._early.pop(router_id, None)
-                self._released.add(router_id)
+                if final:
+                    self._released.add(router_id)
             keys = {k for k in (*self.pending, *self.engine.scheduler.requests) if owner_of(k) == router_id}
             for key in keys:
                 self._abort(key)
@@ -416,7 +423,9 @@ class DecodeWorker:
                     loop, queue = self._outboxes[owner]
                     loop.call_soon_threadsafe(queue.put_nowait, part)
                 elif deltas and owner not in self._released:  # not subscribed yet: kept for its stream
-                    self._early.setdefault(owner, []).append(part)
+                    early = self._early.setdefault(owner, [])
+                    if len(early) < MAX_EARLY_STEPS:
+                        early.append(part)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
         self._on_step(StepOutput(0, time.time(), deltas, self.engine.load()))

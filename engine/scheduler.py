@@ -194,11 +194,19 @@ class Scheduler:
         """Blocks for a prefilling prompt's next chunk, preempting the most recently admitted sequence that
         has no chunk this step (as the FIFO order would); False when there is none to preempt."""
         scheduled = {id(c.request) for c in out.chunks}
+        victims = [r for r in self.running if r is not req and id(r) not in scheduled]
+        need = cdiv(num_tokens, self.block_size) - len(req.block_ids)
+        # NOTE: upper bound (a victim's blocks shared with a prefix another sequence holds do not free): when
+        # even all of them cannot make room, preempt nobody and give the room back instead, as FIFO would
+        if self.allocator.num_free_blocks + sum(len(v.block_ids) for v in victims) < need:
+            self.running.remove(req)
+            self._preempt(req)
+            out.preempted.append(req)
+            return False
         while not self._grow(req, num_tokens):
-            victims = [r for r in self.running if r is not req and id(r) not in scheduled]
             if not victims:
                 return False
-            victim = victims[-1]
+            victim = victims.pop()
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)

@@ -124,8 +124,9 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: self._end(request_id, "aborted by the router")))
 
-    async def release_router(self, router_id: str) -> int:
-        """A router replica is gone: end the prompts its attempts have here. Returns how many."""
+    async def release_router(self, router_id: str, final: bool = True) -> int:
+        """End the prompts router replica `router_id`'s attempts have here (it is gone, or, not `final`, it
+        lost touch with this worker and starts over). Returns how many."""
 
         def release() -> int:
             keys = [k for k in self.jobs if owner_of(k) == router_id]

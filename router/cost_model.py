@@ -6,8 +6,9 @@
 
 Every rate is an exponentially weighted mean of observations (`observe_*`): a prefill's uncached tokens over
 the time from its first chunk to its first token; a KV transfer's bytes over its duration; a decode worker's
-step time. Until a worker or a pair has been measured, a prior stands in (a pair on one node is assumed
-faster than one across nodes); once measured, only measurements count.
+step time. Until a worker or a pair has been measured, a stand-in counts: for a prefill rate, the mean of
+the workers measured so far; else a prior (a pair on one node is assumed faster than one across nodes).
+Once measured, only measurements count.
 
 These feed `placement.choose_path`: the (prefill, decode) pair with the lowest estimated time until the
 request decodes, or the decode worker itself when prefilling there is cheaper and the stall it puts on
@@ -79,8 +80,16 @@ class CostModel:
     # -- rates ------------------------------------------------------------------------------------------
 
     def prefill_rate(self, worker_id: str) -> float:
+        """The worker's measured rate; until it has one, the mean of the workers measured so far (the pools
+        run one model on like hardware), and only before any, the prior.
+
+        NOTE: an unmeasured worker must not look faster than measured ones by the prior's optimism alone: the
+        router would then send a prompt away from the worker that caches its prefix to a cold one."""
         ewma = self._prefill.get(worker_id)
-        return ewma.value if ewma is not None and ewma.value else self.priors.prefill_tokens_per_s
+        if ewma is not None and ewma.value:
+            return ewma.value
+        measured = [e.value for e in self._prefill.values() if e.value]
+        return sum(measured) / len(measured) if measured else self.priors.prefill_tokens_per_s
 
     def link_rate(self, src: str, dst: str, same_node: bool) -> float:
         ewma = self._link.get((src, dst))

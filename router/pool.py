@@ -110,13 +110,17 @@ def make_worker(info: WorkerInfo, client: WorkerClient, kind: PoolKind) -> Worke
 class WorkerRegistry:
     """Every worker the deployment has had, by id; `lose` is the one way out of the live set."""
 
-    def __init__(self) -> None:
+    def __init__(self, kill_on_loss: bool = True) -> None:
+        """`kill_on_loss`: losing a worker kills it. A router replica that is not the lead only stops using a
+        worker it lost touch with: the workers are shared, and whether one is dead is the lead's call."""
         self.workers: dict[str, Worker] = {}
+        self.kill_on_loss = kill_on_loss
         self.on_added: list[Callable[[Worker], None]] = []
         self.on_lost: list[Callable[[Worker, str], None]] = []
 
     def add(self, worker: Worker) -> None:
-        assert worker.worker_id not in self.workers, f"worker id {worker.worker_id} reused"
+        old = self.workers.get(worker.worker_id)
+        assert old is None or (not old.alive and not self.kill_on_loss), f"worker id {worker.worker_id} reused"
         self.workers[worker.worker_id] = worker
         for cb in self.on_added:
             cb(worker)
@@ -129,10 +133,11 @@ class WorkerRegistry:
             return False
         logger.log(logging.INFO if worker.draining else logging.ERROR, "worker %s on node %s %s: %s",
                    worker.worker_id, worker.info.node_ip, "retired" if worker.draining else "lost", why)
-        try:
-            worker.client.kill()
-        except Exception as e:  # noqa: BLE001 - already gone is fine; it is lost either way
-            logger.warning("killing %s: %s", worker.worker_id, e)
+        if self.kill_on_loss:
+            try:
+                worker.client.kill()
+            except Exception as e:  # noqa: BLE001 - already gone is fine; it is lost either way
+                logger.warning("killing %s: %s", worker.worker_id, e)
         worker.load = dataclasses.replace(worker.load, alive=False)
         for cb in self.on_lost:
             cb(worker, why)
@@ -237,10 +242,12 @@ class PoolManager:
             await asyncio.sleep(self.liveness.interval_s)
 
     def adopt(self, info: WorkerInfo, client: WorkerClient, kind: PoolKind) -> Worker:
-        """A following manager: take on a worker the lead started (once; again is a no-op)."""
+        """A following manager: take on a worker the lead started (again while it is live: a no-op; after this
+        replica lost touch with it: a fresh start)."""
         assert self.follow, "adopt() is for a following manager: the lead starts its own workers"
-        if info.worker_id in self.registry.workers:
-            return self.registry.workers[info.worker_id]
+        known = self.registry.workers.get(info.worker_id)
+        if known is not None and known.alive:
+            return known
         worker = make_worker(info, client, kind)
         self.registry.add(worker)
         self._spawn(self._watch(worker))

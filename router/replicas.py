@@ -36,7 +36,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.messages import WorkerInfo
 from router.admin_servicer import Answer, ForwardingAdminServicer, run_forwarded
@@ -45,15 +45,14 @@ from router.placement import PoolKind
 from router.pool import PoolManager, Worker, WorkerRegistry
 from router.router import Router
 from router.server import ServeConfig, Server, log
-from router.worker_client import RayWorkerClient
-
-if TYPE_CHECKING:
-    pass
+from router.worker_client import RayWorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 0.5
 BACKOFF_MAX_S = 30.0
+READOPT_AFTER_S = 1.0  # a follower that lost touch with a worker the lead still has tries it again after this
+RELEASE_TRIES = 5  # a dead replica's attempts are released from each worker with this many tries
 
 
 class AdminMailbox:
@@ -93,7 +92,9 @@ class FollowerServer(Server):
         self.mailbox = mailbox
         self.reports_pools = False  # pool sizes are the lead's to report
         self._waiting: dict[str, tuple[WorkerInfo, PoolKind, Any]] = {}  # told of before the router exists
-        self._lost: set[str] = set()
+        self._lost: set[str] = set()  # workers the lead declared lost
+        self._actors: dict[str, tuple[WorkerInfo, PoolKind, Any]] = {}  # every worker adopted, for a re-adopt
+        self._readopts: set[asyncio.Task] = set()
 
     def _metrics_labels(self) -> dict[str, str]:
         return {"router": str(self.index)}
@@ -103,7 +104,9 @@ class FollowerServer(Server):
 
     async def _start_router(self) -> None:
         c = self.config
-        self.registry = WorkerRegistry()
+        # NOTE: never kills: the workers are shared, and whether one is dead is the lead's call
+        self.registry = WorkerRegistry(kill_on_loss=False)
+        self.registry.on_lost.append(self._on_lost)
         self.router = Router(c.router_config(self.router_id), self.registry, observer=self.observer)
         self.pools = PoolManager(c.pool_specs(), self.registry, launch=_no_launch, follow=True,
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
@@ -118,7 +121,29 @@ class FollowerServer(Server):
         if self.router is None:
             self._waiting[info.worker_id] = (info, kind, actor)
             return
+        self._actors[info.worker_id] = (info, kind, actor)
         self.pools.adopt(info, RayWorkerClient(info.worker_id, actor, self.router_id), kind)
+
+    def _on_lost(self, worker: Worker, why: str) -> None:
+        """This replica lost touch with a worker (its step stream broke, a call found it gone): its own
+        attempts there have failed over. Unless the lead declares it lost, try it again."""
+        if worker.worker_id not in self._lost:
+            task = asyncio.ensure_future(self._readopt(worker))
+            self._readopts.add(task)
+            task.add_done_callback(self._readopts.discard)
+
+    async def _readopt(self, worker: Worker) -> None:
+        await asyncio.sleep(READOPT_AFTER_S)
+        if worker.worker_id in self._lost or self._stopped:
+            return
+        try:  # what this replica's failed-over attempts still hold there goes first
+            await worker.client.release_router(self.router_id, self.config.worker_timeout, final=False)
+        except WorkerError as e:
+            logger.warning("not taking %s back: %s", worker.worker_id, e)
+            return  # gone: the lead will say so
+        if worker.worker_id not in self._lost:
+            logger.info("taking %s back after losing touch with it", worker.worker_id)
+            self.add_worker(*self._actors[worker.worker_id])
 
     def lose_worker(self, worker_id: str, why: str) -> None:
         self._lost.add(worker_id)
@@ -282,10 +307,8 @@ class ReplicaSet:
                      rep.router_id, why)
         with contextlib.suppress(Exception):
             ray.kill(rep.actor, no_restart=True)
-        freed = await asyncio.gather(*(w.client.release_router(rep.router_id, self._timeout())
-                                       for w in self.lead.registry.live()), return_exceptions=True)
-        logger.info("freed %d attempt(s) of router replica %s on the workers",
-                    sum(n for n in freed if isinstance(n, int)), rep.router_id)
+        freed = await asyncio.gather(*(self._release(w, rep.router_id) for w in self.lead.registry.live()))
+        logger.info("freed %d attempt(s) of router replica %s on the workers", sum(freed), rep.router_id)
         backoff = 0.5
         while not self._stopping:
             try:
@@ -298,15 +321,38 @@ class ReplicaSet:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
 
+    async def _release(self, worker: Worker, router_id: str) -> int:
+        """Free a dead replica's attempts on one worker, retrying: a sequence left there would decode on to
+        its max_tokens for nobody."""
+        for attempt in range(RELEASE_TRIES):
+            try:
+                return await worker.client.release_router(router_id, self._timeout())
+            except WorkerError as e:
+                if e.lost or not worker.alive:
+                    return 0  # gone with it
+                logger.warning("releasing replica %s on %s (try %d): %s", router_id, worker.worker_id,
+                               attempt + 1, e)
+                await asyncio.sleep(min(2 ** attempt, BACKOFF_MAX_S))
+        return 0
+
     async def _serve_admin(self) -> None:
         """Run the Admin calls the other replicas forward (the lead holds the pools)."""
+        import ray
+
         while not self._stopping:
-            n, method, request = await self.mailbox.next.remote()
+            try:
+                n, method, request = await self.mailbox.next.remote()
+            except ray.exceptions.RayError as e:
+                logger.error("the Admin mailbox failed (%s); other replicas' Admin calls fail until a restart", e)
+                return
             self._spawn(self._answer(n, method, request))
 
     async def _answer(self, n: int, method: str, request: bytes) -> None:
-        answer = await run_forwarded(self.lead.admin_servicer, method, request)
-        await self.mailbox.answer.remote(n, answer)
+        answer = await run_forwarded(self.lead.admin_servicer, method, request)  # never raises
+        try:
+            await self.mailbox.answer.remote(n, answer)
+        except Exception as e:  # noqa: BLE001 - the asking replica's call fails with the mailbox
+            logger.warning("answering a forwarded %s: %s", method, e)
 
     async def drain_worker(self, worker: Worker, method: Method, timeout_s: float) -> bool:
         """Every other replica moves its own requests off `worker`; True when all did in time (a replica that

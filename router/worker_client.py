@@ -120,8 +120,9 @@ class WorkerClient(ABC):
         with Failure.LOST)."""
 
     @abstractmethod
-    async def release_router(self, router_id: str, timeout: float) -> int:
-        """Router replica `router_id` is gone: free what its attempts hold on the worker."""
+    async def release_router(self, router_id: str, timeout: float, final: bool = True) -> int:
+        """Free what router replica `router_id`'s attempts hold on the worker: it is gone (`final`), or it
+        lost its step stream and subscribes again."""
 
     @abstractmethod
     async def shutdown(self, timeout: float) -> EngineLoad | None:
@@ -207,8 +208,8 @@ class RayWorkerClient(WorkerClient):
             yield out
         raise WorkerError(self.worker_id, "step stream ended", Failure.ERROR)
 
-    async def release_router(self, router_id: str, timeout: float) -> int:
-        return await self._call(self.actor.release_router.remote(router_id), timeout)
+    async def release_router(self, router_id: str, timeout: float, final: bool = True) -> int:
+        return await self._call(self.actor.release_router.remote(router_id, final), timeout)
 
     async def _stream(self, refs, what: str) -> AsyncIterator[Any]:
         """The items of a streaming actor call, with its failures as WorkerErrors."""

@@ -217,7 +217,7 @@ class FakeWorker(WorkerClient):
         self.running.pop(key, None)
         self.held_keys.discard(key)
 
-    async def release_router(self, router_id, timeout):
+    async def release_router(self, router_id, timeout, final=True):
         keys = [k for k in {*self.held, *self.reserved, *self.running} if owner_of(k) == router_id]
         for key in keys:
             await self.abort(key, timeout)

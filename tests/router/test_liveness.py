@@ -141,3 +141,30 @@ def test_failed_replacements_back_off_exponentially_and_the_pool_grows_back():
         await pm.close()
 
     asyncio.run(go())
+
+
+def test_a_following_manager_never_kills_or_declares_dead_and_can_take_a_worker_back():
+    """A router replica that is not the lead: a silent worker stays (the lead decides); losing touch with one
+    kills nothing, and the replica can adopt it again."""
+
+    async def main():
+        registry = WorkerRegistry(kill_on_loss=False)
+        spec = PoolSpec(PoolKind.DECODE, 1, EngineConfig(model="tiny-random"))
+
+        async def no_launch(spec, worker_id):
+            raise AssertionError("a following manager starts no worker")
+
+        pools = PoolManager([spec], registry, no_launch, FAST, follow=True)
+        fake = FakeWorker("decode-0", PoolKind.DECODE)
+        first = pools.adopt(fake.describe(), fake, PoolKind.DECODE)
+        assert pools.adopt(fake.describe(), fake, PoolKind.DECODE) is first  # again while live: a no-op
+        fake.stall()  # no heartbeat: the lead's liveness would declare it dead; a follower waits
+        await asyncio.sleep(FAST.worker_timeout_s * 3)
+        assert first.alive and not fake.killed
+        registry.lose(first, "its step stream broke")  # this replica lost touch with it
+        assert not first.alive and not fake.killed
+        again = pools.adopt(fake.describe(), fake, PoolKind.DECODE)
+        assert again is not first and again.alive and registry.get("decode-0") is again
+        await pools.close()
+
+    asyncio.run(main())

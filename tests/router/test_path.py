@@ -108,6 +108,7 @@ def test_the_model_learns_and_forgets():
     assert cost.prefill_rate("p0") == 1000
     cost.observe_prefill("p0", 3000, 1.0)
     assert cost.prefill_rate("p0") == 2000  # EWMA
+    assert cost.prefill_rate("p1") == 2000  # unmeasured: the measured workers' mean, not the prior
     assert cost.link_rate("p0", "d0", same_node=True) > cost.link_rate("p0", "d0", same_node=False)
     cost.observe_transfer("p0", "d0", 10**6, 0.01)
     assert cost.link_rate("p0", "d0", same_node=False) == 1e8  # measured beats the node prior
@@ -198,3 +199,15 @@ def test_separate_placement_never_prefills_locally():
         assert obs.paths == ["remote"] and c["prefill-0"].keys
 
     _run(go())
+
+
+def test_a_cold_worker_does_not_look_faster_than_the_one_caching_the_prefix():
+    """The first prefill on a CPU measured 40 tokens/s; the other worker is unmeasured. Its stand-in is that
+    measured rate, not the optimistic prior, so the cached prefix wins."""
+    cost = CostModel(BYTES_PER_TOKEN)
+    cost.observe_prefill("p0", 77, 77 / 40)
+    tokens = prompt(77)
+    index = PrefixIndex()
+    index.apply("p0", hash_blocks(tokens, BS)[:4], [])
+    best = choose(tokens, [prefill("p0"), prefill("p1")], [decode("d0")], cost, index)[0]
+    assert (best.prefill, best.prefill_cached_blocks) == ("p0", 4)
