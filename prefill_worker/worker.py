@@ -56,6 +56,7 @@ class _Job:
     transfer_open: bool = False
     transfer_opened_at: float = 0.0
     transfer_bytes: int = 0
+    cache_since: int | None = None  # the asking router's cache cursor: its result carries the changes after it
 
 
 class PrefillWorker:
@@ -83,9 +84,12 @@ class PrefillWorker:
         return await asyncio.wrap_future(self.loop.call(lambda: self.engine.load_report(self.worker_id, since)))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      reservation: Reservation) -> AsyncIterator[FirstToken | PrefillResult]:
+                      reservation: Reservation, cache_since: int | None = None
+                      ) -> AsyncIterator[FirstToken | PrefillResult]:
         """Compute the prompt and push its KV into `reservation`: yields the first token as soon as it is
-        sampled, then the outcome once the KV landed (a failure yields only the outcome)."""
+        sampled, then the outcome once the KV landed (a failure yields only the outcome). The outcome's load
+        report carries the prefix-cache changes after `cache_since` (the asking router's cursor), so its
+        index holds the prompt's blocks before its next placement."""
         outbox: asyncio.Queue = asyncio.Queue()
         actor_loop = asyncio.get_running_loop()
         dst, dst_block_ids = reservation.kv_address, reservation.block_ids
@@ -97,7 +101,8 @@ class PrefillWorker:
             req = Request(request_id, prompt_token_ids, params, self.engine.cache_spec.block_size,
                           self.engine.eos_token_ids, self.engine.max_model_len, prefill_only=True)
             self.engine.scheduler.add(req)
-            self.jobs[request_id] = _Job(req, dst, dst_block_ids, num_dst_cached_blocks, outbox, actor_loop)
+            self.jobs[request_id] = _Job(req, dst, dst_block_ids, num_dst_cached_blocks, outbox, actor_loop,
+                                         cache_since=cache_since)
 
         await asyncio.wrap_future(self.loop.call(add))
         while True:
@@ -231,7 +236,8 @@ class PrefillWorker:
         result = PrefillResult(req.request_id, first, None if stop is None else FINISH_REASONS[stop].value,
                                req.num_cached_tokens, error, job.scheduled_at, job.sampled_at, now,
                                now - job.transfer_opened_at if job.transfer_open else 0.0,
-                               job.transfer_bytes, transfer is not None and not transfer.ok, self._report())
+                               job.transfer_bytes, transfer is not None and not transfer.ok,
+                               self.engine.load_report(self.worker_id, job.cache_since))
         _put(job, result)
 
     def _end(self, request_id: str, reason: str) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MIN_RATED_TRANSFER_BYTES = 1 << 20
+
 
 @dataclass(frozen=True)
 class CostPriors:
@@ -63,7 +65,10 @@ class CostModel:
             self._prefill.setdefault(worker_id, _Ewma()).observe(num_tokens / seconds, self.priors.alpha)
 
     def observe_transfer(self, src: str, dst: str, num_bytes: int, seconds: float) -> None:
-        if num_bytes > 0 and seconds > 0:
+        # NOTE: a small transfer's time is the link's latency and per-message costs, not its bandwidth (a
+        # 100 KB one measured a fast local link as slower than the prior for a cross-node one): only
+        # transfers worth a rate count
+        if num_bytes >= MIN_RATED_TRANSFER_BYTES and seconds > 0:
             self._link.setdefault((src, dst), _Ewma()).observe(num_bytes / seconds, self.priors.alpha)
 
     def observe_step(self, worker_id: str, seconds: float) -> None:

@@ -146,6 +146,9 @@ class Path(str, enum.Enum):
     LOCAL = "local"  # prefilled by the decode worker itself: no transfer, no prefill queue
 
 
+NEAR_TIE = 0.10  # estimates within this fraction of the best count as equal (see `choose_path`)
+
+
 class PathChoice(NamedTuple):
     path: Path
     prefill: str | None  # the prefill worker (None: local)
@@ -200,4 +203,11 @@ def choose_path(hashes: Sequence[BlockHash], num_prompt_tokens: int, block_size:
         if stall <= admit or stall * max(1, d.num_running) < best_remote - est:
             options.append(((est, 0, d.num_running, "", d.worker_id),
                             PathChoice(Path.LOCAL, None, d.worker_id, est, on_d)))
-    return [choice for _, choice in sorted(options, key=lambda o: o[0])]
+    ranked = [choice for _, choice in sorted(options, key=lambda o: o[0])]
+    if not ranked:
+        return ranked
+    # NOTE: estimates this close are within what the measurements scatter (a first prefill's warm-up, a
+    # neighbour on a shared core): among them the option whose worker caches more of the prompt goes first,
+    # so prefix affinity is not lost to noise (and the cache is not duplicated on a second worker)
+    near = [c for c in ranked if c.estimate_s <= ranked[0].estimate_s * (1 + NEAR_TIE)]
+    return sorted(near, key=lambda c: -c.prefill_cached_blocks) + ranked[len(near):]

@@ -200,38 +200,47 @@ class Router:
     def apply_report(self, worker: Worker, report: LoadReport) -> None:
         worker.apply(report)
         self.observer.on_report(worker, report)
-        if report.seq is not None:
-            self._apply_cache_changes(worker, report)
+        if (report.seq is not None and self._apply_cache_changes(worker, report) == "behind"
+                and (worker.cache_read is None or worker.cache_read.done())):
+            worker.cache_read = self._spawn(self._read_cache_changes(worker))
         self._room.set()
 
     def cache_cursor(self, worker: Worker) -> int:
         """Where the next read of the worker's prefix-cache changes starts (`PoolManager`'s reports)."""
         return self.index.cursor(worker.worker_id)
 
-    def _apply_cache_changes(self, worker: Worker, report: LoadReport) -> None:
+    def _apply_cache_changes(self, worker: Worker, report: LoadReport) -> str:
         """Fold a worker's prefix-cache changes into the index, in order and exactly once.
 
         NOTE: decode workers' caches too: a prompt whose prefix a decode worker holds may prefill there.
         Each router replica reads every worker's numbered change log from its own cursor
-        (`PrefixIndex.apply_changes`); a report that does not start at the cursor (a prefill's answer says
-        only how far the log has got) makes the router read from its cursor, and a reader the log could no
-        longer serve gets the whole cache (a resync)."""
+        (`PrefixIndex.apply_changes`). A prefill's answer carries the changes after the cursor the router had
+        when it asked, so the prompt's blocks are in the index before the client's next request. A report that
+        does not start at the cursor (other reports moved it meanwhile; a report that only says how far the
+        log has got) makes the router read again from the cursor, and a reader the log could no longer serve
+        gets the whole cache (a resync)."""
         had = self.index.cursor(worker.worker_id) >= 0
         outcome = self.index.apply_changes(worker.worker_id, report)
         if outcome == "resynced" and had:
             self.observer.on_cache_resync(worker)
-        elif outcome == "behind" and (worker.cache_read is None or worker.cache_read.done()):
-            worker.cache_read = self._spawn(self._read_cache_changes(worker))
+        return outcome
 
     async def _read_cache_changes(self, worker: Worker) -> None:
-        try:
-            report = await worker.client.report(self.index.cursor(worker.worker_id), self.config.call_timeout_s)
-        except WorkerError as e:
-            if e.lost:
-                self.registry.lose(worker, e.reason)
-            return  # the next periodic report reads them
-        if worker.alive:
-            self.apply_report(worker, report)
+        for _ in range(3):  # another report may move the cursor meanwhile: read again from where it is now
+            try:
+                report = await worker.client.report(self.index.cursor(worker.worker_id),
+                                                    self.config.call_timeout_s)
+            except WorkerError as e:
+                if e.lost:
+                    self.registry.lose(worker, e.reason)
+                return  # the next periodic report reads them
+            if not worker.alive:
+                return
+            worker.apply(report)
+            self.observer.on_report(worker, report)
+            self._room.set()
+            if self._apply_cache_changes(worker, report) != "behind":
+                return
 
     # -- workers joining and leaving --------------------------------------------------------------------
 
@@ -513,7 +522,8 @@ class Router:
     async def _prefill(self, att: Attempt, prefill: Worker) -> AsyncIterator[FirstToken | PrefillResult]:
         """The prefill stream's items (the first token, then the outcome), abandoned as soon as either of the
         attempt's workers is lost."""
-        items = aiter(prefill.client.prefill(att.key, att.prompt, att.params, att.reservation))
+        items = aiter(prefill.client.prefill(att.key, att.prompt, att.params, att.reservation,
+                                             self.index.cursor(prefill.worker_id)))
         lost = asyncio.ensure_future(att.lost.wait())
         try:
             while True:

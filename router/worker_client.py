@@ -75,10 +75,11 @@ class WorkerClient(ABC):
         """Renew these reservations' leases; returns the keys no longer reserved."""
 
     @abstractmethod
-    def prefill(self, key: str, prompt: list[int], params: SamplingParams,
-                reservation: Reservation) -> AsyncIterator[FirstToken | PrefillResult]:
+    def prefill(self, key: str, prompt: list[int], params: SamplingParams, reservation: Reservation,
+                cache_since: int | None = None) -> AsyncIterator[FirstToken | PrefillResult]:
         """The first token as soon as it is sampled, then the outcome once the KV landed (a failure: only
-        the outcome). No timeout: a long prompt takes what it takes; liveness watches the worker meanwhile."""
+        the outcome), whose load report holds the prefix-cache changes after `cache_since`. No timeout: a
+        long prompt takes what it takes; liveness watches the worker meanwhile."""
 
     @abstractmethod
     async def start(self, key: str, first_token: int, timeout: float) -> bool: ...
@@ -170,9 +171,9 @@ class RayWorkerClient(WorkerClient):
     async def renew(self, keys: list[str], timeout: float) -> list[str]:
         return await self._call(self.actor.renew.remote(keys), timeout)
 
-    async def prefill(self, key, prompt, params, reservation):
+    async def prefill(self, key, prompt, params, reservation, cache_since=None):
         async for item in self._stream(self.actor.prefill.options(num_returns="streaming").remote(
-                key, prompt, params, reservation), "prefill"):
+                key, prompt, params, reservation, cache_since), "prefill"):
             yield item
 
     async def start(self, key: str, first_token: int, timeout: float) -> bool:

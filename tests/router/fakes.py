@@ -166,7 +166,7 @@ class FakeWorker(WorkerClient):
         self.renewed += keys
         return [k for k in keys if k not in self.reserved]
 
-    async def prefill(self, key, prompt, params: SamplingParams, reservation):
+    async def prefill(self, key, prompt, params: SamplingParams, reservation, cache_since=None):
         await self._enter()
         self.keys.append(key)
         self.held[key] = cdiv(len(prompt), BLOCK)

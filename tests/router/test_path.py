@@ -110,7 +110,9 @@ def test_the_model_learns_and_forgets():
     assert cost.prefill_rate("p0") == 2000  # EWMA
     assert cost.prefill_rate("p1") == 2000  # unmeasured: the measured workers' mean, not the prior
     assert cost.link_rate("p0", "d0", same_node=True) > cost.link_rate("p0", "d0", same_node=False)
-    cost.observe_transfer("p0", "d0", 10**6, 0.01)
+    cost.observe_transfer("p0", "d0", 10**5, 0.001)  # too small to measure bandwidth: ignored
+    assert cost.measured_links() == {}
+    cost.observe_transfer("p0", "d0", 10**7, 0.1)
     assert cost.link_rate("p0", "d0", same_node=False) == 1e8  # measured beats the node prior
     cost.forget("d0")
     assert cost.measured_links() == {}
@@ -211,3 +213,19 @@ def test_a_cold_worker_does_not_look_faster_than_the_one_caching_the_prefix():
     index.apply("p0", hash_blocks(tokens, BS)[:4], [])
     best = choose(tokens, [prefill("p0"), prefill("p1")], [decode("d0")], cost, index)[0]
     assert (best.prefill, best.prefill_cached_blocks) == ("p0", 4)
+
+
+def test_estimates_within_the_measurements_scatter_go_to_the_worker_caching_the_prefix():
+    """A fast GPU-like rate makes the cached prefix save only a little; a 5% slower measurement of the
+    caching worker must not send the prompt to a cold one. A clearly slower one (queue) still loses."""
+    cost = CostModel(BYTES_PER_TOKEN)
+    cost.observe_prefill("p0", 4000, 4000 / 6000)
+    cost.observe_prefill("p1", 4000, 4000 / 6300)
+    tokens = prompt(98)
+    index = PrefixIndex()
+    index.apply("p0", hash_blocks(tokens, BS)[:6], [])
+    best = choose(tokens, [prefill("p0"), prefill("p1")], [decode("d0")], cost, index, local=False)[0]
+    assert (best.prefill, best.prefill_cached_blocks) == ("p0", 6)
+    busy = choose(tokens, [prefill("p0", queued_prefill_tokens=2000), prefill("p1")], [decode("d0")], cost, index,
+                  local=False)[0]
+    assert busy.prefill == "p1"
