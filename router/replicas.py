@@ -91,9 +91,10 @@ class FollowerServer(Server):
         self.router_id = router_id
         self.mailbox = mailbox
         self.reports_pools = False  # pool sizes are the lead's to report
-        self._waiting: dict[str, tuple[WorkerInfo, PoolKind, Any]] = {}  # told of before the router exists
+        # every worker the lead told of and has not declared lost (adopted once the router exists; again after
+        # this replica lost touch with one)
+        self._known: dict[str, tuple[WorkerInfo, PoolKind, Any]] = {}
         self._lost: set[str] = set()  # workers the lead declared lost
-        self._actors: dict[str, tuple[WorkerInfo, PoolKind, Any]] = {}  # every worker adopted, for a re-adopt
         self._readopts: set[asyncio.Task] = set()
 
     def _metrics_labels(self) -> dict[str, str]:
@@ -111,17 +112,15 @@ class FollowerServer(Server):
         self.pools = PoolManager(c.pool_specs(), self.registry, launch=_no_launch, follow=True,
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
                                  cache_cursor=self.router.cache_cursor)
-        for info, kind, actor in self._waiting.values():
+        for info, kind, actor in list(self._known.values()):
             self.add_worker(info, kind, actor)
-        self._waiting.clear()
 
     def add_worker(self, info: WorkerInfo, kind: PoolKind, actor: Any) -> None:
         if info.worker_id in self._lost:
             return
+        self._known[info.worker_id] = (info, kind, actor)
         if self.router is None:
-            self._waiting[info.worker_id] = (info, kind, actor)
             return
-        self._actors[info.worker_id] = (info, kind, actor)
         self.pools.adopt(info, RayWorkerClient(info.worker_id, actor, self.router_id), kind)
 
     def _on_lost(self, worker: Worker, why: str) -> None:
@@ -141,13 +140,14 @@ class FollowerServer(Server):
         except WorkerError as e:
             logger.warning("not taking %s back: %s", worker.worker_id, e)
             return  # gone: the lead will say so
-        if worker.worker_id not in self._lost:
+        known = self._known.get(worker.worker_id)
+        if known is not None:
             logger.info("taking %s back after losing touch with it", worker.worker_id)
-            self.add_worker(*self._actors[worker.worker_id])
+            self.add_worker(*known)
 
     def lose_worker(self, worker_id: str, why: str) -> None:
         self._lost.add(worker_id)
-        self._waiting.pop(worker_id, None)
+        self._known.pop(worker_id, None)
         if self.router is not None and worker_id in self.registry.workers:
             self.registry.lose(self.registry.workers[worker_id], why)
 

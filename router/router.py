@@ -198,12 +198,16 @@ class Router:
         return not self.requests
 
     def apply_report(self, worker: Worker, report: LoadReport) -> None:
+        if self._fold_report(worker, report) == "behind" and (worker.cache_read is None or worker.cache_read.done()):
+            worker.cache_read = self._spawn(self._read_cache_changes(worker))
+
+    def _fold_report(self, worker: Worker, report: LoadReport) -> str | None:
+        """Take a report's load and cache changes; the cache outcome (`PrefixIndex.apply_changes`), None when
+        the report says nothing of the cache."""
         worker.apply(report)
         self.observer.on_report(worker, report)
-        if (report.seq is not None and self._apply_cache_changes(worker, report) == "behind"
-                and (worker.cache_read is None or worker.cache_read.done())):
-            worker.cache_read = self._spawn(self._read_cache_changes(worker))
         self._room.set()
+        return self._apply_cache_changes(worker, report) if report.seq is not None else None
 
     def cache_cursor(self, worker: Worker) -> int:
         """Where the next read of the worker's prefix-cache changes starts (`PoolManager`'s reports)."""
@@ -234,12 +238,7 @@ class Router:
                 if e.lost:
                     self.registry.lose(worker, e.reason)
                 return  # the next periodic report reads them
-            if not worker.alive:
-                return
-            worker.apply(report)
-            self.observer.on_report(worker, report)
-            self._room.set()
-            if self._apply_cache_changes(worker, report) != "behind":
+            if not worker.alive or self._fold_report(worker, report) != "behind":
                 return
 
     # -- workers joining and leaving --------------------------------------------------------------------
