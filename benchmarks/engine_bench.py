@@ -39,7 +39,7 @@ Decisions, so the numbers can be argued with:
   timed right after the bandwidth so both see the same load, is reported as a fraction of it.
 - One engine serves all three workloads, with max_num_batched_tokens = 2,048 and max_num_seqs = 64.
 - Speculation (`spec_ngram_*_vs_plain`): a second engine on the same weights with n-gram speculation on
-  (k = 4, n-grams of 4 down to 2) against the first, greedy, on the same prompts at the same time: each
+  (k = 8 and the default per-step draft cap, n-grams of 4 down to 2) against the first, greedy, on the same prompts at the same time: each
   step goes to the side that has spent less time so far, so both see the same load. Two workloads of real text, each through SmolLM2's chat template: *repetition* (rewrite a code
   block with a small edit, quote or summarise from a long passage: output that copies from the prompt)
   and *chat* (open questions: little to copy). Decode throughput: output tokens of the steps in which
@@ -100,7 +100,7 @@ class BenchConfig:
     spec_batches: tuple[int, ...] = (1, 8)
     spec_tokens: int = 128  # new tokens per speculation run
     spec_reps: int = 2
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     seed: int = 0
 
     def __post_init__(self) -> None:

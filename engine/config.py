@@ -178,7 +178,11 @@ class SpeculativeConfig:
     model agrees with (exactly: greedy output and the sampled distribution are the target's own)."""
 
     method: str | None = None  # None -> off; "ngram" -> prompt lookup over the sequence's own tokens
-    num_speculative_tokens: int = 4  # the most draft tokens verified per sequence per step (k)
+    num_speculative_tokens: int = 8  # the most draft tokens verified per sequence per step (k)
+    # the most draft tokens one step verifies over all its sequences (0: no cap), shared equally by the
+    # decoding sequences: at batch 1 drafts are nearly free, in a big batch the verify pass turns
+    # compute-bound (README, "Speculative decoding")
+    max_draft_tokens_per_step: int = 32
     # n-gram sizes matched against earlier context, longest first; a longer match proposes better drafts
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -189,6 +193,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError("SpeculativeConfig.num_speculative_tokens must be >= 1, "
                              f"got {self.num_speculative_tokens}")
+        if self.max_draft_tokens_per_step < 0:
+            raise ValueError("SpeculativeConfig.max_draft_tokens_per_step must be >= 0 (0: no cap), "
+                             f"got {self.max_draft_tokens_per_step}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("SpeculativeConfig.prompt_lookup_min must be in [1, prompt_lookup_max], got "
                              f"{self.prompt_lookup_min} (max {self.prompt_lookup_max})")

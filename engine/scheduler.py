@@ -9,8 +9,8 @@ running sequence needs a block and none is free, the most recently admitted sequ
 blocks are freed and it is recomputed from scratch later (vLLM's recompute preemption).
 
 With speculative decoding on, a decoding sequence's chunk also carries the proposer's draft tokens (as
-many as the budget, its max_tokens and the context allow); `update` keeps the verified ones and rolls the
-rest back. When the drafts' blocks do not fit, the sequence decodes plainly this step rather than
+many as k, its share of the step's draft cap, the budget, its max_tokens and the context allow); `update`
+keeps the verified ones and rolls the rest back. When the drafts' blocks do not fit, the sequence decodes plainly this step rather than
 preempting anyone.
 """
 
@@ -64,7 +64,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
-        self.proposer = NgramProposer(speculative) if speculative is not None and speculative.enabled else None
+        self.speculative = speculative if speculative is not None else SpeculativeConfig()
+        self.proposer = NgramProposer(speculative) if self.speculative.enabled else None
         self.spec_stats = SpecCounts()
         self.allocator = allocator
         self.block_size = block_size
@@ -109,13 +110,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         fair = self.config.prefill_order == "fair"
+        draft_share = self._draft_share()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if fair and req.status == RequestStatus.PREFILLING:
                 i += 1  # prompts take their turn below, in fair order
                 continue
-            drafts = self._propose(req, budget)
+            drafts = self._propose(req, min(budget - 1, draft_share))
             if drafts and self._grow(req, req.num_tokens + len(drafts)):
                 out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(drafts), drafts))
                 budget -= 1 + len(drafts)
@@ -300,16 +302,26 @@ class Scheduler:
 
     # -- speculation ------------------------------------------------------------------------------------
 
-    def _propose(self, req: Request, budget: int) -> list[int]:
-        """Drafts for a decoding sequence: at most what its budget, max_tokens and context leave room for
-        (all of them accepted plus the target's own token must still fit)."""
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """Drafts for a decoding sequence: at most `room` (what the step's budget and draft cap leave), its
+        draft length, and what its max_tokens and context leave room for (all of them accepted plus the
+        target's own token must still fit)."""
         if (self.proposer is None or req.params.disable_speculation
                 or req.num_computed_tokens != req.num_tokens - 1 or req.status != RequestStatus.RUNNING):
             return []
-        room = min(budget - 1, req.params.max_tokens - len(req.output_token_ids) - 1)
+        room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
         if req.max_model_len is not None:
             room = min(room, req.max_model_len - req.num_tokens - 1)
         return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+
+    def _draft_share(self) -> int:
+        """The most drafts one sequence may propose this step: an equal share of the step's draft cap over
+        the sequences that decode (at least one each)."""
+        cap = self.speculative.max_draft_tokens_per_step
+        if self.proposer is None or not cap:
+            return self.config.max_num_batched_tokens
+        decoding = sum(1 for r in self.running if r.status == RequestStatus.RUNNING)
+        return max(1, cap // max(1, decoding))
 
     def _count(self, chunk: ScheduledChunk, tokens: list[int]) -> None:
         st = self.spec_stats

@@ -113,8 +113,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--speculative", choices=["ngram"], default=None,
                    help="speculative decoding in the decode (and colocated) workers: ngram = prompt lookup")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="with --speculative: draft tokens verified per sequence per step (default 4)")
+    p.add_argument("--num-speculative-tokens", type=int, default=8,
+                   help="with --speculative: the most draft tokens verified per sequence per step (default 8)")
+    p.add_argument("--max-draft-tokens-per-step", type=int, default=32,
+                   help="with --speculative: the most draft tokens one step verifies, shared equally by the "
+                        "decoding sequences (default 32, for CPUs; 0: no cap)")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -150,7 +153,8 @@ def serve_config(args: argparse.Namespace):
         tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
-        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens, routers=args.routers, prefill_order=args.prefill_order,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         routers_spread=args.routers_spread)
 

@@ -35,6 +35,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,8 +171,10 @@ class RouterReplica:
         for info, kind, actor in workers:
             self.server.add_worker(info, PoolKind(kind), actor)
         await self.server.start()
-        return {"pid": os.getpid(), "port": self.server.port, "metrics_port": self.server.metrics_port,
-                "http_port": self.server.http_port}
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "port": self.server.port,
+                "metrics_port": self.server.metrics_port, "http_port": self.server.http_port}
 
     async def add_worker(self, info: WorkerInfo, kind: str, actor: Any) -> None:
         self.server.add_worker(info, PoolKind(kind), actor)
@@ -215,6 +218,31 @@ class _Replica:
     actor: Any
     info: dict = field(default_factory=dict)  # what `RouterReplica.start` answered: pid, ports
     started: bool = False
+
+
+def _end(rep: _Replica) -> None:
+    """End a lost replica's process now. NOTE: a stalled one (SIGSTOPped, hung) still holds its share of the
+    SO_REUSEPORT group, and the kernel keeps queueing new connections on its socket, where they hang.
+    `ray.kill` asks its core worker to exit and force-kills a process that does not answer only about 5 s
+    later (measured with a SIGSTOPped actor, Ray 2.60). On this node the lead SIGKILLs the pid at once
+    (after checking it is still a RouterReplica process: Ray titles it `ray::RouterReplica`); elsewhere
+    `ray.kill` is all there is."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.kill(rep.actor, no_restart=True)
+    pid = rep.info.get("pid")
+    if not pid or rep.info.get("node_id") != ray.get_runtime_context().get_node_id():
+        return
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(b"ray::RouterReplica"):
+                return  # gone, and the pid reused
+        os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):
+        pass  # gone already
+    except OSError as e:
+        logger.warning("could not end router replica %d's process %d: %s", rep.index, pid, e)
 
 
 class ReplicaSet:
@@ -301,12 +329,10 @@ class ReplicaSet:
             await asyncio.sleep(PING_INTERVAL_S)
 
     async def _replace(self, rep: _Replica, why: str) -> None:
-        import ray
 
         logger.error("router replica %d (%s) lost: %s; its clients' streams end with it", rep.index,
                      rep.router_id, why)
-        with contextlib.suppress(Exception):
-            ray.kill(rep.actor, no_restart=True)
+        _end(rep)
         freed = await asyncio.gather(*(self._release(w, rep.router_id) for w in self.lead.registry.live()))
         logger.info("freed %d attempt(s) of router replica %s on the workers", sum(freed), rep.router_id)
         backoff = 0.5

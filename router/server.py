@@ -78,7 +78,8 @@ class ServeConfig:
     device: str | None = None
     dtype: str | None = None
     speculative: str | None = None  # decode and colocated workers: None (off) or "ngram"
-    num_speculative_tokens: int = 4  # drafts verified per sequence per step
+    num_speculative_tokens: int = 8  # the most drafts verified per sequence per step
+    max_draft_tokens_per_step: int = 32  # the most drafts one step verifies, shared by its sequences (0: no cap)
     tls_cert: str | None = None  # PEM: serve gRPC over TLS with this certificate chain ...
     tls_key: str | None = None  # ... and private key
     tls_client_ca: str | None = None  # mutual TLS: clients must present a certificate this CA signed
@@ -108,6 +109,9 @@ class ServeConfig:
             raise ValueError(f"--speculative must be ngram (or absent), got {self.speculative!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.max_draft_tokens_per_step < 0:
+            raise ValueError(f"--max-draft-tokens-per-step must be >= 0 (0: no cap), got "
+                             f"{self.max_draft_tokens_per_step}")
         if self.prefill_order not in ("fair", "fifo"):
             raise ValueError(f"--prefill-order must be fair or fifo, got {self.prefill_order!r}")
         if self.prefill_chunk_tokens < 0:
@@ -139,7 +143,8 @@ class ServeConfig:
     def engine_config(self, budget: int, decodes: bool = True) -> EngineConfig:
         """A worker's engine; `decodes`: it runs decode steps (so speculation applies to it)."""
         threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
-        spec = SpeculativeConfig(self.speculative, self.num_speculative_tokens) if decodes else SpeculativeConfig()
+        spec = (SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.max_draft_tokens_per_step)
+                if decodes else SpeculativeConfig())
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             max_model_len=self.max_model_len, num_threads=threads,
                             cache=CacheConfig(self.block_size, self.num_blocks),

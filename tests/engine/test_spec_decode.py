@@ -57,6 +57,8 @@ def test_config_names_the_bad_field():
         SpeculativeConfig("ngram", 0)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig("ngram", 2, prompt_lookup_max=2, prompt_lookup_min=3)
+    with pytest.raises(ValueError, match="max_draft_tokens_per_step"):
+        SpeculativeConfig("ngram", 2, max_draft_tokens_per_step=-1)
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -90,6 +92,27 @@ def test_a_batch_mixing_speculating_opted_out_and_sampled_sequences(plain, spec)
             for c in out.chunks:
                 assert not (c.draft_token_ids and c.request.params.disable_speculation)
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in refs]
+
+
+def test_the_step_draft_cap_is_shared_by_the_decoding_sequences(plain):
+    """k = 8 with a cap of 8 drafts per step: a lone sequence drafts up to 8, four share 2 each; the greedy
+    output is still the plain engine's."""
+    capped = tiny(SpeculativeConfig("ngram", 8, max_draft_tokens_per_step=8, prompt_lookup_min=1))
+    loop = [20, 30, 40, 50] * 5
+    most: dict[int, int] = {}  # decoding sequences in a step -> the most drafts one of them got
+    for batch in (1, 4):
+        prompts = [loop[i:] for i in range(batch)]
+        reqs = [capped.engine.add_request(p, greedy(24, ignore_eos=True)) for p in prompts]
+        while capped.engine.has_unfinished_requests():
+            out, _ = capped.engine.step()
+            drafting = [len(c.draft_token_ids) for c in out.chunks if c.draft_token_ids]
+            assert sum(drafting) <= 8
+            decoding = sum(1 for c in out.chunks if c.start >= c.request.num_prompt_tokens)
+            if drafting:
+                most[decoding] = max(most.get(decoding, 0), *drafting)
+        ref = plain.generate(prompts, greedy(24, ignore_eos=True))
+        assert [r.output_token_ids for r in reqs] == [o.token_ids for o in ref]
+    assert most[1] == 8 and most[4] == 2
 
 
 def test_seeded_sampling_is_reproduced_token_for_token(plain, spec):

@@ -14,8 +14,9 @@ def specs(*argv: str) -> dict[PoolKind, object]:
 
 
 def test_decode_workers_speculate_and_prefill_workers_never_do():
-    pools = specs("--speculative", "ngram", "--num-speculative-tokens", "3")
+    pools = specs("--speculative", "ngram", "--num-speculative-tokens", "3", "--max-draft-tokens-per-step", "12")
     assert pools[PoolKind.DECODE].method == "ngram" and pools[PoolKind.DECODE].num_speculative_tokens == 3
+    assert pools[PoolKind.DECODE].max_draft_tokens_per_step == 12
     assert not pools[PoolKind.PREFILL].enabled
 
 
@@ -29,5 +30,7 @@ def test_colocated_workers_speculate_and_the_default_is_off():
 def test_a_bad_draft_count_names_the_flag():
     with pytest.raises(ValueError, match="--num-speculative-tokens"):
         specs("--speculative", "ngram", "--num-speculative-tokens", "0")
+    with pytest.raises(ValueError, match="--max-draft-tokens-per-step"):
+        specs("--speculative", "ngram", "--max-draft-tokens-per-step", "-1")
     with pytest.raises(SystemExit):  # argparse: not a known method
         specs("--speculative", "medusa")

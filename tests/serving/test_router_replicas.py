@@ -1,11 +1,13 @@
 """Two router replicas over one set of pools (`--routers 2`, SmolLM2, Ray actors, gloo KV transfer): both
 serve the shared port; output equals the engine's; a prefix cached through one replica is hit through the
 other; 200 concurrent requests across replicas leave the decode worker's blocks consistent; killing a
-replica ends only its own streams, the other keeps serving, and the replica is replaced."""
+replica ends only its own streams, the other keeps serving, and the replica is replaced; so is a stalled
+(SIGSTOPped) one."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -67,13 +69,12 @@ def _requests_served(server) -> dict[str, float]:
     return served
 
 
-@pytest.fixture(scope="module")
-def channels(server) -> dict[str, list[pb_grpc.GenerationStub]]:
-    """Two connections to each replica: new connections until the kernel has given each replica two (which
-    replica took a connection shows in the replicas' request counters)."""
+def _pinned(server, per_replica: int) -> dict[str, list[pb_grpc.GenerationStub]]:
+    """`per_replica` connections to each replica: new connections until the kernel has given each replica
+    that many (which replica took a connection shows in the replicas' request counters)."""
     by_replica: dict[str, list] = {"0": [], "1": []}
     for _ in range(40):
-        if all(len(v) >= 2 for v in by_replica.values()):
+        if all(len(v) >= per_replica for v in by_replica.values()):
             break
         channel = _connect(server)
         stub = pb_grpc.GenerationStub(channel)
@@ -82,8 +83,13 @@ def channels(server) -> dict[str, list[pb_grpc.GenerationStub]]:
         after = _requests_served(server)
         [replica] = [r for r in after if after[r] != before.get(r, 0.0)]
         by_replica[replica].append(stub)
-    assert all(len(v) >= 2 for v in by_replica.values()), f"connections per replica: {by_replica}"
+    assert all(len(v) >= per_replica for v in by_replica.values()), f"connections per replica: {by_replica}"
     return by_replica
+
+
+@pytest.fixture(scope="module")
+def channels(server) -> dict[str, list[pb_grpc.GenerationStub]]:
+    return _pinned(server, 2)
 
 
 def test_each_replica_serves_the_engines_greedy_output(server, channels, references):
@@ -191,6 +197,60 @@ def test_killing_a_replica_ends_only_its_streams_and_it_is_replaced(server, chan
     assert all(r.load.free_blocks == r.load.total_blocks and r.load.num_running == 0 for r in reports.values())
     # and new connections are served, by either replica
     for _ in range(4):
+        with _connect(server) as channel:
+            got = token_ids(list(pb_grpc.GenerationStub(channel).Generate(
+                greedy_request(PROMPTS[2], TOKENS, ignore_eos=True), timeout=120)))
+            assert got == references[PROMPTS[2]]
+
+
+def test_a_stalled_replica_is_killed_and_replaced_and_the_lead_serves_on(server, references):
+    """SIGSTOP a replica: the kernel keeps queueing new connections on its listening socket, so the lead must
+    end the process, not only forget it. After --worker-timeout without a ping answer it is killed (its
+    clients' streams end), what it held on the workers is freed, and a replacement serves."""
+    replicas = server.server.replicas
+    old = replicas.replicas[1]
+    replaced = replicas.replaced
+    channels = _pinned(server, 1)  # fresh: an earlier test's connections to replica 1 may reach another now
+    results: dict[str, object] = {}
+    started = threading.Barrier(3)
+
+    def stream(replica: str) -> None:
+        got: list[int] = []
+        try:
+            for k, res in enumerate(channels[replica][0].Generate(
+                    greedy_request(PROMPTS[0], 200, ignore_eos=True), timeout=300)):
+                got += res.token_ids
+                if k == 2:
+                    started.wait(60)
+            results[replica] = got
+        except grpc.RpcError as e:
+            results[replica] = e.code()
+
+    threads = [threading.Thread(target=stream, args=(r,)) for r in ("0", "1")]
+    for t in threads:
+        t.start()
+    started.wait(120)
+    os.kill(old.info["pid"], signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.join(300)
+        lead = results["0"]
+        assert isinstance(lead, list) and lead[:TOKENS] == references[PROMPTS[0]] and len(lead) == 200
+        assert isinstance(results["1"], grpc.StatusCode), results["1"]
+        deadline = time.monotonic() + 120
+        while replicas.replaced == replaced or not replicas.replicas[1].started:
+            assert time.monotonic() < deadline, "the stalled replica was not replaced"
+            time.sleep(0.2)
+        with pytest.raises(ProcessLookupError):  # the stalled process is gone, and its socket with it
+            for _ in range(100):
+                os.kill(old.info["pid"], 0)
+                time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old.info["pid"], signal.SIGCONT)
+    reports = server.wait_idle()
+    assert all(r.load.free_blocks == r.load.total_blocks and r.load.num_running == 0 for r in reports.values())
+    for _ in range(4):  # no new connection lands on a dead socket
         with _connect(server) as channel:
             got = token_ids(list(pb_grpc.GenerationStub(channel).Generate(
                 greedy_request(PROMPTS[2], TOKENS, ignore_eos=True), timeout=120)))
