@@ -1,6 +1,7 @@
 """The `pdserve` command: `serve` starts a deployment, `generate` streams a completion from one, `bench`
 measures layouts side by side (`benchmarks.serving.cli`); `workers`, `scale`, `drain` and `restart-pool`
-operate a running one (`router.admin_cli`)."""
+operate a running one (`router.admin_cli`); `stop` stops one with router replicas, whichever replica leads
+it."""
 
 from __future__ import annotations
 
@@ -208,11 +209,36 @@ def generate(args: argparse.Namespace) -> int:
     return run_client(args, "generate", call)
 
 
+def _add_stop(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stop", help="drain and stop a deployment with router replicas (--routers N), "
+                                    "whichever replica leads it now")
+    p.add_argument("--port", type=int, default=50051, help="the deployment's gRPC port (default 50051)")
+    p.add_argument("--ray-address", default="auto", help="the Ray cluster it runs on (default: auto)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish before they are ended (default 30)")
+
+
+def stop(args: argparse.Namespace) -> int:
+    from router.replicas import stop_deployment
+    from router.server import ServeError, init_ray
+
+    init_ray(args.ray_address, 0)
+    try:
+        lead = stop_deployment(args.port, args.grace)
+    except ServeError as e:
+        print(f"pdserve stop: {e}", file=sys.stderr)
+        return 1
+    print(f"pdserve stop: the deployment on port {args.port} stopped (its lead: "
+          f"{'router replica ' + lead if lead else 'the serve process'})", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate(sub)
+    _add_stop(sub)
     admin_cli.add_parsers(sub)
     sub.add_parser("bench", add_help=False,
                    help="run workloads against server layouts side by side (pdserve bench --help)")
@@ -226,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(argv[1:])
     args = build_parser().parse_args(argv)
-    return {"serve": serve, "generate": generate, **admin_cli.COMMANDS}[args.command](args)
+    return {"serve": serve, "generate": generate, "stop": stop, **admin_cli.COMMANDS}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -157,9 +157,11 @@ class WorkerRegistry:
 Launcher = Callable[[PoolSpec, str], Awaitable[WorkerClient]]
 
 
-def ray_launcher(kv_config: Any, lease_s: float) -> Launcher:
+def ray_launcher(kv_config: Any, lease_s: float, detached: bool = False, router_id: str = "") -> Launcher:
     """Start workers as Ray actors: `PrefillWorker` or `DecodeWorker` (colocated: no KV transport).
-    `lease_s`: how long a decode reservation outlives its last renewal."""
+    `lease_s`: how long a decode reservation outlives its last renewal. `detached`: the workers outlive the
+    process that starts them (router replicas: another replica takes the pools over when the lead dies).
+    `router_id`: the starting router's, whose step stream the returned clients read."""
 
     async def launch(spec: PoolSpec, worker_id: str) -> WorkerClient:
         import ray
@@ -168,12 +170,14 @@ def ray_launcher(kv_config: Any, lease_s: float) -> Launcher:
         from prefill_worker import PrefillWorker
 
         options = spec.actor_options()
+        if detached:
+            options["lifetime"] = "detached"
         if spec.kind is PoolKind.PREFILL:
             actor = ray.remote(PrefillWorker).options(**options).remote(worker_id, spec.engine, kv_config)
         else:
             kv = None if spec.kind is PoolKind.COLOCATED else kv_config
             actor = ray.remote(DecodeWorker).options(**options).remote(worker_id, spec.engine, kv, lease_s)
-        return RayWorkerClient(worker_id, actor)
+        return RayWorkerClient(worker_id, actor, router_id)
 
     return launch
 
@@ -252,6 +256,19 @@ class PoolManager:
         self.registry.add(worker)
         self._spawn(self._watch(worker))
         return worker
+
+    def promote(self, launch: Launcher, targets: dict[PoolKind, int]) -> None:
+        """A following manager becomes the lead's (the lead died): from now on it declares workers dead and
+        starts replacements with `launch`, keeping `targets` (the old lead's; call `maintain` next). New
+        worker ids continue after every id this manager has seen."""
+        self.follow = False
+        self.launch = launch
+        self.targets.update(targets)
+        for worker_id in self.registry.workers:
+            name, _, n = worker_id.rpartition("-")
+            kind = next((k for k in self._next_index if k.value == name), None)
+            if kind is not None and n.isdigit():
+                self._next_index[kind] = max(self._next_index[kind], int(n) + 1)
 
     async def close(self) -> None:
         self._stopping = True

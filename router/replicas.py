@@ -23,8 +23,13 @@ What they share, and how:
 
 A replica that dies (killed, its node gone, or silent for --worker-timeout) takes only its own clients'
 connections with it: the lead has every worker free what that replica's attempts held (`release_router`),
-and starts a replacement under the same index (so its metrics' `router` label stays bounded). The lead
-holds the pools: its process ending ends the deployment, as it did with one router.
+and starts a replacement under the same index (so its metrics' `router` label stays bounded).
+
+The lead may die too. The workers, the replicas, the mailbox and the KV rendezvous store are detached Ray
+actors, so they outlive it; the lead beats in the mailbox, and when it has been silent for --worker-timeout
+the first replica to claim the lead takes the pools over (`FollowerServer._take_over`): it fences the old
+lead, frees what its requests held, manages the pools and the Admin API from then on, and starts a replica
+in its place. `pdserve stop` (`stop_deployment`) stops such a deployment, whichever replica leads it.
 """
 
 from __future__ import annotations
@@ -35,17 +40,20 @@ import dataclasses
 import itertools
 import logging
 import os
+import secrets
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.messages import WorkerInfo
-from router.admin_servicer import Answer, ForwardingAdminServicer, run_forwarded
+from engine.messages import WorkerInfo, node_identity
+from router.admin import PoolAdmin
+from router.admin_servicer import AdminServicer, Answer, ForwardingAdminServicer, run_forwarded
 from router.lifecycle import Method
 from router.placement import PoolKind
-from router.pool import PoolManager, Worker, WorkerRegistry
+from router.pool import LivenessConfig, PoolManager, Worker, WorkerRegistry, ray_launcher
 from router.router import Router
-from router.server import ServeConfig, Server, log
+from router.server import ServeConfig, ServeError, Server, log
 from router.worker_client import RayWorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -56,14 +64,36 @@ READOPT_AFTER_S = 1.0  # a follower that lost touch with a worker the lead still
 RELEASE_TRIES = 5  # a dead replica's attempts are released from each worker with this many tries
 
 
+MAILBOX_NAMESPACE = "pdserve"
+
+
+def mailbox_name(port: int) -> str:
+    """The mailbox actor's name: one deployment with router replicas per port and Ray cluster."""
+    return f"routers-{port}"
+
+
 class AdminMailbox:
-    """A Ray actor: Admin calls that reached a replica other than the lead, waiting for the lead to run them
-    (the lead is a Ray driver, which takes no calls; it polls `next`)."""
+    """A Ray actor (detached, named after the port): where the router replicas meet.
+
+    - **Admin calls** that reached a replica other than the lead wait here until the lead runs them (the
+      serve process is a Ray driver, which takes no calls; it polls `next`).
+    - **The lead's beat**: the lead says every half second that it is alive (`beat`). When it has been
+      silent for --worker-timeout, the first replica to `claim_lead` takes the pools over.
+    - **The replicas' handles**, for a new lead to adopt.
+    - **A stop request** (`pdserve stop`), which the lead's next beat picks up.
+    """
 
     def __init__(self) -> None:
         self._inbox: asyncio.Queue[tuple[int, str, bytes]] = asyncio.Queue()
         self._answers: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
+        self._lead: tuple[str, int] = ("", 0)  # the lead's router id and replica index ("", 0: the serve process)
+        self._beat = time.monotonic()
+        self._targets: dict[str, int] = {}  # the lead's pool targets, by pool kind
+        self._replicas: dict[int, tuple[str, Any]] = {}  # index -> (router id, actor) of every replica but the lead
+        self._incarnations = itertools.count(1)
+        self._stop_grace: float | None = None
+        self._lead_process: dict = {}
 
     async def call(self, method: str, request: bytes) -> Answer:
         n = next(self._ids)
@@ -74,23 +104,136 @@ class AdminMailbox:
         finally:
             self._answers.pop(n, None)
 
-    async def next(self) -> tuple[int, str, bytes]:
-        return await self._inbox.get()
+    async def next(self, lead_id: str) -> tuple[int, str, bytes] | None:
+        """The next forwarded call, for the lead `lead_id`; None when that is no longer the lead (a dead
+        lead's poll can still be waiting here: the call goes back for the new lead)."""
+        item = await self._inbox.get()
+        if lead_id != self._lead[0]:
+            self._inbox.put_nowait(item)
+            return None
+        return item
 
     async def answer(self, n: int, answer: Answer) -> None:
         fut = self._answers.get(n)
         if fut is not None and not fut.done():
             fut.set_result(answer)
 
+    async def beat(self, lead_id: str, targets: dict[str, int], process: dict | None = None) -> tuple[str, float]:
+        """The lead is alive (`process`: its pid, node and title, see `this_process`). Answers ("lead", 0),
+        ("deposed", 0) when another replica has taken the pools over, or ("stop", grace) when an operator
+        asked the deployment to stop."""
+        if lead_id != self._lead[0]:
+            return "deposed", 0.0
+        self._beat = time.monotonic()
+        self._targets = targets
+        self._lead_process = process or self._lead_process
+        return ("stop", self._stop_grace) if self._stop_grace is not None else ("lead", 0.0)
+
+    async def claim_lead(self, router_id: str, index: int, silent_s: float) -> dict | None:
+        """Replica `router_id` takes the lead if the lead has not beaten for `silent_s`: what it needs to take
+        the pools over (the old lead's id and index, its pool targets, the other replicas); None otherwise."""
+        if time.monotonic() - self._beat <= silent_s or self._stop_grace is not None:
+            return None
+        old_id, old_index = self._lead
+        self._lead = (router_id, index)
+        self._beat = time.monotonic()
+        self._replicas.pop(index, None)
+        claim = {"old_router_id": old_id, "old_index": old_index, "old_process": self._lead_process,
+                 "targets": dict(self._targets), "replicas": dict(self._replicas)}
+        self._lead_process = {}
+        return claim
+
+    async def register(self, index: int, router_id: str, actor: Any) -> None:
+        self._replicas[index] = (router_id, actor)
+
+    async def incarnation(self) -> int:
+        """A number no replica of this deployment had: router ids stay unique across leads."""
+        return next(self._incarnations)
+
+    async def request_stop(self, grace_s: float) -> str:
+        """`pdserve stop`: the lead drains every replica within `grace_s`, then stops the deployment."""
+        self._stop_grace = grace_s
+        return self._lead[0]
+
+
+class RendezvousHost:
+    """A Ray actor holding the KV transfer's rendezvous store (`kv_transfer.RendezvousServer`) on its node's
+    cluster address, so that the store outlives the lead (the workers' receivers listen on it)."""
+
+    def __init__(self) -> None:
+        from kv_transfer import RendezvousServer
+
+        self.server = RendezvousServer(node_identity()[1], 0)
+
+    def address(self) -> tuple[str, int]:
+        return self.server.host, self.server.port
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What outlives the lead, and what a replica needs to take the pools over."""
+
+    kv_config: Any  # the workers' kv_transfer.KVTransferConfig (None: colocated pools)
+    lease_s: float  # how long a decode reservation outlives its last renewal
+    mailbox: Any  # the AdminMailbox actor
+    rendezvous: Any = None  # the RendezvousHost actor (torch transport only)
+
+    def close(self) -> None:
+        """After the workers: they hold clients of the store."""
+        import ray
+
+        for actor in (self.rendezvous, self.mailbox):
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+
+
+def _this_node() -> Any:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared:
+    """The lead's first step with replicas: the mailbox (refused when another deployment with replicas has
+    this port in this Ray cluster) and the rendezvous store, both detached."""
+    import ray
+
+    from kv_transfer import KVTransferConfig
+
+    try:
+        mailbox = ray.remote(AdminMailbox).options(
+            name=mailbox_name(port), namespace=MAILBOX_NAMESPACE, lifetime="detached", num_cpus=0,
+            max_concurrency=1000, scheduling_strategy=_this_node()).remote()
+        await mailbox.incarnation.remote()  # created (a taken name fails here or above)
+    except (ValueError, ray.exceptions.RayError) as e:
+        raise ServeError(f"another pdserve deployment with router replicas serves port {port} in this Ray "
+                         f"cluster ({e}); stop it with `pdserve stop --port {port}`, or pass another --port") from e
+    if config.colocated_workers:
+        return Shared(None, lease_s, mailbox)
+    if config.kv_transport == "ray":
+        return Shared(KVTransferConfig(kv_transport="ray"), lease_s, mailbox)
+    host = ray.remote(RendezvousHost).options(num_cpus=0, lifetime="detached",
+                                              scheduling_strategy=_this_node()).remote()
+    addr, store_port = await host.address.remote()
+    # NOTE: a fresh secret per deployment, handed to the workers inside this config (see Server._kv_config)
+    kv = KVTransferConfig(kv_transport="torch", rendezvous_host=addr, rendezvous_port=store_port,
+                          secret=secrets.token_hex(32))
+    return Shared(kv, lease_s, mailbox, host)
+
 
 class FollowerServer(Server):
-    """A router replica other than the lead: the same doors, its own `Router`, the lead's workers."""
+    """A router replica other than the lead: the same doors, its own `Router`, the lead's workers. When the
+    lead falls silent, the first replica to claim the lead takes the pools over (`_take_over`)."""
 
-    def __init__(self, config: ServeConfig, index: int, router_id: str, mailbox: Any) -> None:
+    def __init__(self, config: ServeConfig, index: int, router_id: str, shared: Shared) -> None:
         super().__init__(config)
         self.index = index
         self.router_id = router_id
-        self.mailbox = mailbox
+        self.shared = shared
+        self.mailbox = shared.mailbox
+        self.leading = False
         self.reports_pools = False  # pool sizes are the lead's to report
         # every worker the lead told of and has not declared lost (adopted once the router exists; again after
         # this replica lost touch with one)
@@ -110,11 +253,59 @@ class FollowerServer(Server):
         self.registry = WorkerRegistry(kill_on_loss=False)
         self.registry.on_lost.append(self._on_lost)
         self.router = Router(c.router_config(self.router_id), self.registry, observer=self.observer)
-        self.pools = PoolManager(c.pool_specs(), self.registry, launch=_no_launch, follow=True,
+        self.pools = PoolManager(c.pool_specs(), self.registry, _no_launch,
+                                 LivenessConfig(worker_timeout_s=c.worker_timeout), follow=True,
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
                                  cache_cursor=self.router.cache_cursor)
         for info, kind, actor in list(self._known.values()):
             self.add_worker(info, kind, actor)
+        self._tasks.append(asyncio.ensure_future(self._watch_lead()))
+
+    async def _watch_lead(self) -> None:
+        """Claim the lead whenever the lead has been silent for --worker-timeout (the mailbox grants it to
+        the first replica that asks)."""
+        import ray
+
+        while not self._stopped:
+            await asyncio.sleep(PING_INTERVAL_S)
+            try:
+                claim = await self.mailbox.claim_lead.remote(self.router_id, self.index, self.config.worker_timeout)
+            except ray.exceptions.RayError as e:
+                logger.warning("cannot reach the replicas' mailbox: %s", e)
+                continue
+            if claim is not None:
+                await self._take_over(claim)
+                return
+
+    async def _take_over(self, claim: dict) -> None:
+        """The lead is gone: this replica holds the pools from now on. It declares workers dead and replaces
+        them (at the old lead's targets), frees what the old lead's requests held, serves the Admin API,
+        watches the other replicas and starts a new one in the old lead's place."""
+        c = self.config
+        log(f"router replica {self.index} ({self.router_id}): the lead "
+            f"({claim['old_router_id'] or 'the serve process'}) is silent; taking the pools over")
+        self.leading = True
+        self.reports_pools = True
+        self.registry.kill_on_loss = True
+        self.registry.on_lost.remove(self._on_lost)
+        self.pools.promote(ray_launcher(self.shared.kv_config, self.shared.lease_s, True, self.router_id),
+                           {PoolKind(k): n for k, n in claim["targets"].items()})
+        self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
+        self.admin_runner = AdminServicer()
+        self.admin = self.admin_runner.admin = PoolAdmin(self.router, self.pools)
+        self.replicas = ReplicaSet(self, c.routers - 1)
+        self.admin.drain_elsewhere = self.replicas.drain_worker
+        await self.replicas.take_over(claim)
+
+    def stop_requested(self, grace_s: float) -> None:
+        asyncio.ensure_future(self._stop_and_exit(grace_s))
+
+    async def _stop_and_exit(self, grace_s: float) -> None:
+        import ray
+
+        log(f"router replica {self.index}: the deployment was asked to stop; draining for up to {grace_s:.0f}s")
+        await self.shutdown(grace_s)
+        ray.kill(ray.get_runtime_context().current_actor)  # the lead's own actor is the last thing left
 
     def add_worker(self, info: WorkerInfo, kind: PoolKind, actor: Any) -> None:
         if info.worker_id in self._lost:
@@ -153,7 +344,8 @@ class FollowerServer(Server):
             self.registry.lose(self.registry.workers[worker_id], why)
 
     async def _stop_workers(self) -> None:
-        pass  # the lead's
+        if self.leading:  # the serve process's, unless this replica took the pools over
+            await super()._stop_workers()
 
 
 async def _no_launch(spec, worker_id):
@@ -163,14 +355,18 @@ async def _no_launch(spec, worker_id):
 class RouterReplica:
     """A Ray actor: one router replica that is not the lead (`FollowerServer` on the actor's event loop)."""
 
-    def __init__(self, config: ServeConfig, index: int, router_id: str, mailbox: Any) -> None:
+    def __init__(self, config: ServeConfig, index: int, router_id: str, shared: Shared) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self.server = FollowerServer(config, index, router_id, mailbox)
+        self.server = FollowerServer(config, index, router_id, shared)
 
     async def start(self, workers: list[tuple[WorkerInfo, str, Any]]) -> dict:
         for info, kind, actor in workers:
             self.server.add_worker(info, PoolKind(kind), actor)
         await self.server.start()
+        return await self.describe_process()
+
+    async def describe_process(self) -> dict:
+        """pid, node id and bound ports."""
         import ray
 
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "port": self.server.port,
@@ -224,37 +420,53 @@ def _end(rep: _Replica) -> None:
     """End a lost replica's process now. NOTE: a stalled one (SIGSTOPped, hung) still holds its share of the
     SO_REUSEPORT group, and the kernel keeps queueing new connections on its socket, where they hang.
     `ray.kill` asks its core worker to exit and force-kills a process that does not answer only about 5 s
-    later (measured with a SIGSTOPped actor, Ray 2.60). On this node the lead SIGKILLs the pid at once
-    (after checking it is still a RouterReplica process: Ray titles it `ray::RouterReplica`); elsewhere
-    `ray.kill` is all there is."""
+    later (measured with a SIGSTOPped actor, Ray 2.60); on this node the lead SIGKILLs it at once."""
     import ray
 
     with contextlib.suppress(Exception):
         ray.kill(rep.actor, no_restart=True)
-    pid = rep.info.get("pid")
-    if not pid or rep.info.get("node_id") != ray.get_runtime_context().get_node_id():
+    _kill_process(rep.info, b"ray::RouterReplica")
+
+
+def _kill_process(process: dict, title: bytes) -> None:
+    """SIGKILL `process` ({"pid", "node_id"}) if it runs on this node and its command line still starts with
+    `title` (else it is gone, and the pid may be another process's now); on another node, nothing."""
+    import ray
+
+    pid = process.get("pid")
+    if not pid or process.get("node_id") != ray.get_runtime_context().get_node_id():
         return
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(b"ray::RouterReplica"):
-                return  # gone, and the pid reused
+            if not f.read().startswith(title):
+                return
         os.kill(pid, signal.SIGKILL)
     except (FileNotFoundError, ProcessLookupError):
         pass  # gone already
     except OSError as e:
-        logger.warning("could not end router replica %d's process %d: %s", rep.index, pid, e)
+        logger.warning("could not end process %d: %s", pid, e)
+
+
+def this_process() -> dict:
+    """{"pid", "node_id", "title"} of the calling process; the title is how its command line starts: the
+    whole of it, or a Ray actor's `ray::Class` (Ray rewrites the rest)."""
+    import ray
+
+    with open("/proc/self/cmdline", "rb") as f:
+        cmdline = f.read()
+    title = cmdline.split(b"\0")[0].split(b".")[0] if cmdline.startswith(b"ray::") else cmdline
+    return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "title": title}
 
 
 class ReplicaSet:
     """The lead's side: starts the other replicas, tells them of every worker, watches and replaces them,
-    runs their forwarded Admin calls and asks them to drain."""
+    runs their forwarded Admin calls, asks them to drain, and beats in the mailbox."""
 
     def __init__(self, lead: Server, count: int) -> None:
         self.lead = lead
         self.count = count
         self.replicas: dict[int, _Replica] = {}
-        self.mailbox: Any = None
-        self._incarnations = itertools.count(1)
+        self.mailbox: Any = lead.shared.mailbox
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
         self.replaced = 0  # replicas replaced after they died
@@ -263,38 +475,62 @@ class ReplicaSet:
         return self.lead.config.worker_timeout
 
     async def start(self) -> None:
-        import ray
-
-        self.mailbox = ray.remote(AdminMailbox).options(num_cpus=0, max_concurrency=1000).remote()
+        """The serve process: start the other replicas (indexes 1..count)."""
+        self._spawn(self._beat())
         self.lead.registry.on_added.append(self._tell_added)
         self.lead.registry.on_lost.append(self._tell_lost)
         await asyncio.gather(*(self._start_one(i) for i in range(1, self.count + 1)))
         self._spawn(self._serve_admin())
 
+    async def take_over(self, claim: dict) -> None:
+        """A replica that took the pools over (see `FollowerServer._take_over`): free what the old lead's
+        requests held, adopt the other replicas, and start one in the old lead's place."""
+        # NOTE: fence the old lead first: a stalled one still holds its share of the port (new connections
+        # would hang there), and one that wakes up must not act on the pools again (a lead on another node
+        # stops itself at its next beat: "deposed")
+        old = claim["old_process"]
+        if old:
+            _kill_process(old, old["title"])
+        self._spawn(self._beat())
+        self.lead.registry.on_added.append(self._tell_added)
+        self.lead.registry.on_lost.append(self._tell_lost)
+        self._spawn(self._serve_admin())
+        freed = await asyncio.gather(*(self._release(w, claim["old_router_id"]) for w in self.lead.registry.live()))
+        logger.info("freed %d attempt(s) of the old lead on the workers", sum(freed))
+        for index, (router_id, actor) in claim["replicas"].items():
+            rep = self.replicas[index] = _Replica(index, router_id, actor, started=True)
+            with contextlib.suppress(Exception):  # one that does not answer is replaced by `_watch`
+                rep.info = await asyncio.wait_for(actor.describe_process.remote(), self._timeout())
+            self._spawn(self._watch(rep))
+        self._spawn(self._start_with_retries(claim["old_index"]))
+
     def describe(self) -> list[dict]:
         """Every replica but the lead: index, router id, pid, ports (for operators and tests)."""
         return [{"index": r.index, "router_id": r.router_id, **r.info} for r in self.replicas.values()]
 
+    def _metrics_port(self, index: int) -> int | None:
+        """Replica `index` serves /metrics on the deployment's --metrics-port + index (None: off; 0: any)."""
+        c = self.lead.config
+        return c.metrics_port - self.lead.index + index if c.metrics_port else c.metrics_port
+
     async def _start_one(self, index: int) -> _Replica:
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         lead, c = self.lead, self.lead.config
         # NOTE: the lead's bound ports (a test's 0 became a real port): the replicas share them
-        metrics_port = None if c.metrics_port is None else (c.metrics_port + index if c.metrics_port else 0)
-        config = dataclasses.replace(c, port=lead.port, http_port=lead.http_port, metrics_port=metrics_port)
-        router_id = f"{index}.{next(self._incarnations)}"
+        config = dataclasses.replace(c, port=lead.port, http_port=lead.http_port, metrics_port=self._metrics_port(index))
+        router_id = f"{index}.{await self.mailbox.incarnation.remote()}"
         # NOTE: by default on the lead's node, where the exposed port is: SO_REUSEPORT spreads its connections.
         # --routers-spread places them over the nodes, for a Service that reaches every node's port.
-        strategy = "SPREAD" if c.routers_spread else NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False)
+        strategy = "SPREAD" if c.routers_spread else _this_node()
         actor = ray.remote(RouterReplica).options(
-            num_cpus=0, max_concurrency=10_000, max_restarts=0, scheduling_strategy=strategy,
-        ).remote(config, index, router_id, self.mailbox)
+            num_cpus=0, max_concurrency=10_000, max_restarts=0, scheduling_strategy=strategy, lifetime="detached",
+        ).remote(config, index, router_id, lead.shared)
         rep = self.replicas[index] = _Replica(index, router_id, actor)  # before `start`: it hears of changes
         workers = [(w.info, w.kind.value, w.client.actor) for w in lead.registry.live()]
         try:
             rep.info = await actor.start.remote(workers)
+            await self.mailbox.register.remote(index, router_id, actor)
         except BaseException:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
@@ -303,6 +539,27 @@ class ReplicaSet:
         log(f"router replica {index} ({router_id}) serving on port {rep.info['port']} (pid {rep.info['pid']})")
         self._spawn(self._watch(rep))
         return rep
+
+    async def _beat(self) -> None:
+        """Tell the mailbox this lead is alive (and its pool targets), every half second. Stop serving when
+        another replica took the pools over meanwhile; drain and stop when an operator asked."""
+        import ray
+
+        process = this_process()
+        while not self._stopping:
+            targets = {kind.value: n for kind, n in self.lead.pools.targets.items()}
+            try:
+                state, grace = await self.mailbox.beat.remote(self.lead.router_id, targets, process)
+            except ray.exceptions.RayError as e:
+                logger.warning("cannot reach the replicas' mailbox: %s", e)
+            else:
+                if state == "deposed":
+                    self.lead.deposed("another")
+                    return
+                if state == "stop":
+                    self.lead.stop_requested(grace)
+                    return
+            await asyncio.sleep(PING_INTERVAL_S)
 
     def _tell_added(self, worker: Worker) -> None:
         for rep in self.replicas.values():
@@ -329,21 +586,23 @@ class ReplicaSet:
             await asyncio.sleep(PING_INTERVAL_S)
 
     async def _replace(self, rep: _Replica, why: str) -> None:
-
         logger.error("router replica %d (%s) lost: %s; its clients' streams end with it", rep.index,
                      rep.router_id, why)
         _end(rep)
         freed = await asyncio.gather(*(self._release(w, rep.router_id) for w in self.lead.registry.live()))
         logger.info("freed %d attempt(s) of router replica %s on the workers", sum(freed), rep.router_id)
+        await self._start_with_retries(rep.index)
+
+    async def _start_with_retries(self, index: int) -> None:
         backoff = 0.5
         while not self._stopping:
             try:
-                await self._start_one(rep.index)
+                await self._start_one(index)
                 self.replaced += 1
                 return
             except Exception as e:  # noqa: BLE001 - logged and retried after a backoff
                 logger.error("replacement router replica %d failed to start (%s); retrying in %.1fs",
-                             rep.index, e, backoff)
+                             index, e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
 
@@ -367,14 +626,16 @@ class ReplicaSet:
 
         while not self._stopping:
             try:
-                n, method, request = await self.mailbox.next.remote()
+                call = await self.mailbox.next.remote(self.lead.router_id)
             except ray.exceptions.RayError as e:
                 logger.error("the Admin mailbox failed (%s); other replicas' Admin calls fail until a restart", e)
                 return
-            self._spawn(self._answer(n, method, request))
+            if call is None:
+                return  # no longer the lead
+            self._spawn(self._answer(*call))
 
     async def _answer(self, n: int, method: str, request: bytes) -> None:
-        answer = await run_forwarded(self.lead.admin_servicer, method, request)  # never raises
+        answer = await run_forwarded(self.lead.admin_runner, method, request)  # never raises
         try:
             await self.mailbox.answer.remote(n, answer)
         except Exception as e:  # noqa: BLE001 - the asking replica's call fails with the mailbox
@@ -398,22 +659,49 @@ class ReplicaSet:
         await asyncio.gather(*(r.actor.shutdown.remote(grace_s) for r in self.replicas.values() if r.started),
                              return_exceptions=True)
 
-    async def stop(self) -> None:
-        import ray
+    async def stop(self, everything: bool = True) -> None:
+        """Stop watching; with `everything`, stop and kill every other replica too (a deposed lead leaves
+        them to the new one)."""
 
         self._stopping = True
         for t in list(self._tasks):
             t.cancel()
+        if not everything:
+            return
+        with contextlib.suppress(Exception):  # no replica claims the lead while they stop
+            await asyncio.wait_for(self.mailbox.request_stop.remote(0.0), timeout=5)
         reps = list(self.replicas.values())
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(r.actor.stop.remote() for r in reps), return_exceptions=True),
                                    timeout=10)
-        for actor in [r.actor for r in reps] + [self.mailbox]:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+        for rep in reps:
+            _end(rep)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def stop_deployment(port: int, grace_s: float, wait_s: float = 60.0) -> str:
+    """`pdserve stop`: ask the deployment with router replicas on `port` in the joined Ray cluster to drain
+    (up to `grace_s`) and stop, and wait until it has. Returns the lead's router id ("" for the serve
+    process). Its lead, whichever replica it is now, runs the stop on its next beat."""
+    import ray
+
+    try:
+        mailbox = ray.get_actor(mailbox_name(port), namespace=MAILBOX_NAMESPACE)
+    except ValueError as e:
+        raise ServeError(f"no pdserve deployment with router replicas serves port {port} in this Ray cluster "
+                         "(a lone router stops with SIGTERM or Ctrl-C to its `pdserve serve` process)") from e
+    lead = ray.get(mailbox.request_stop.remote(grace_s), timeout=30)
+    deadline = time.monotonic() + grace_s + wait_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(mailbox.beat.remote("-", {}), timeout=5)  # any call: it answers until the lead kills it
+        except (ray.exceptions.RayError, TimeoutError):
+            return lead
+        time.sleep(0.5)
+    raise ServeError(f"the deployment on port {port} did not stop within {grace_s + wait_s:.0f}s: its lead "
+                     f"({lead or 'the serve process'}) did not act on the request; is it alive?")

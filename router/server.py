@@ -200,7 +200,13 @@ class Server:
         self.router: Router | None = None
         self.replicas = None  # router.replicas.ReplicaSet: the other router replicas (`--routers N`)
         self.reports_pools = True  # the lead reports pool sizes; other replicas only follow them
-        self.rendezvous = None
+        self.leading = True  # holds the pools: starts, replaces and stops the workers
+        self.router_id = ""  # this router's attempt-key prefix ("": the serve process's)
+        self.index = 0  # its replica index (`--routers N`: its metrics' `router` label)
+        self.rendezvous = None  # the KV rendezvous store, in this process (one router)
+        self.shared = None  # router.replicas.Shared: what another replica needs to take the pools over
+        self.admin_runner: AdminServicer | None = None  # runs Admin calls on the pools (the lead's)
+        self.stopped = asyncio.Event()  # set once `stop` has run
         self.port = config.port
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
@@ -296,24 +302,32 @@ class Server:
     async def _start_router(self) -> None:
         """The lead: the Ray pools, the router over them, the pool admin, and the other router replicas."""
         c = self.config
-        kv_config = self._kv_config()
+        # NOTE: a lease outlives several missed renewals: only a prefill worker declared dead (or a router
+        # gone) lets it lapse
+        lease_s = max(30.0, 3 * c.worker_timeout)
+        replicated = c.routers > 1
+        if replicated:
+            from router.replicas import ReplicaSet, start_shared
+
+            # NOTE: with replicas, the workers, the replicas and the KV rendezvous store outlive this process:
+            # when it dies, another replica takes the pools over (router.replicas)
+            self.shared = await start_shared(c, self.port, lease_s)
+            kv_config = self.shared.kv_config
+        else:
+            kv_config = self._kv_config()
         log(f"starting {c.num_workers} workers for {c.model} "
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
         self.registry = WorkerRegistry()
         self.router = Router(c.router_config(), self.registry, observer=self.observer)
-        # NOTE: a lease outlives several missed renewals: only a prefill worker declared dead (or a router
-        # gone) lets it lapse
-        lease_s = max(30.0, 3 * c.worker_timeout)
-        self.pools = PoolManager(c.pool_specs(), self.registry, ray_launcher(kv_config, lease_s),
+        self.pools = PoolManager(c.pool_specs(), self.registry, ray_launcher(kv_config, lease_s, detached=replicated),
                                  LivenessConfig(worker_timeout_s=c.worker_timeout),
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
                                  cache_cursor=self.router.cache_cursor)
         await self.pools.start()
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         self.admin = self.admin_servicer.admin = PoolAdmin(self.router, self.pools)
-        if c.routers > 1:
-            from router.replicas import ReplicaSet
-
+        self.admin_runner = self.admin_servicer
+        if replicated:
             self.replicas = ReplicaSet(self, c.routers - 1)
             self.admin.drain_elsewhere = self.replicas.drain_worker
             log(f"starting {c.routers - 1} more router replica(s) on port {self.port}...")
@@ -378,6 +392,8 @@ class Server:
                                 secret=secrets.token_hex(32))
 
     async def stop(self) -> None:
+        """Stop serving; the lead also stops every worker and replica. A lead another replica replaced
+        (`deposed`) leaves them running: they are the new lead's."""
         if self._stopped:
             return
         self._stopped = True
@@ -388,15 +404,34 @@ class Server:
         if self.http is not None:
             await self.http.stop()
         if self.replicas is not None:
-            await self.replicas.stop()
+            await self.replicas.stop(everything=self.leading)
         if self.router is not None:
             await self.pools.close()
             await self.router.close()
-            await self._stop_workers()
+            if self.leading:
+                await self._stop_workers()
         if self.rendezvous is not None:  # after the workers: they hold clients of it
             self.rendezvous.close()
+        if self.shared is not None and self.leading:
+            self.shared.close()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
+        self.stopped.set()
+
+    def stop_requested(self, grace_s: float) -> None:
+        """`pdserve stop` reached the lead: drain every replica within `grace_s`, then stop everything."""
+        log(f"the deployment was asked to stop (pdserve stop); draining for up to {grace_s:.0f}s")
+        asyncio.ensure_future(self.shutdown(grace_s))
+
+    def deposed(self, by: str) -> None:
+        """Another replica took the pools over while this lead was silent (stopped, cut off): stop serving
+        at once, and leave the workers and replicas to it."""
+        if self._stopped:
+            return
+        log(f"router replica {by} took the pools over while this lead was silent; stopping (the deployment "
+            "serves on without this process)")
+        self.leading = False
+        asyncio.ensure_future(self.stop())
 
 
     async def _stop_workers(self) -> None:
@@ -461,8 +496,11 @@ async def serve_forever(config: ServeConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     try:
-        await stop.wait()
-        log("signal received: draining")
-        await server.shutdown()
+        signalled = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([signalled, asyncio.ensure_future(server.stopped.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if signalled.done():
+            log("signal received: draining")
+            await server.shutdown()
     finally:
         await server.stop()  # idempotent: a no-op after a graceful shutdown
