@@ -195,6 +195,16 @@ def _this_node() -> Any:
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
+def refuse_taken_port(port: int) -> None:
+    """ServeError when a deployment with router replicas already has `port` in this Ray cluster."""
+    import ray
+
+    with contextlib.suppress(ValueError):
+        ray.get_actor(mailbox_name(port), namespace=MAILBOX_NAMESPACE)
+        raise ServeError(f"another pdserve deployment with router replicas serves port {port} in this Ray cluster; "
+                         f"stop it with `pdserve stop --port {port}`, or pass another --port")
+
+
 async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared:
     """The lead's first step with replicas: the mailbox (refused when another deployment with replicas has
     this port in this Ray cluster) and the rendezvous store, both detached."""
@@ -297,15 +307,12 @@ class FollowerServer(Server):
         self.admin.drain_elsewhere = self.replicas.drain_worker
         await self.replicas.take_over(claim)
 
-    def stop_requested(self, grace_s: float) -> None:
-        asyncio.ensure_future(self._stop_and_exit(grace_s))
-
-    async def _stop_and_exit(self, grace_s: float) -> None:
+    async def _stop_and_exit(self, grace_s: float | None) -> None:
         import ray
 
-        log(f"router replica {self.index}: the deployment was asked to stop; draining for up to {grace_s:.0f}s")
-        await self.shutdown(grace_s)
-        ray.kill(ray.get_runtime_context().current_actor)  # the lead's own actor is the last thing left
+        await super()._stop_and_exit(grace_s)
+        # NOTE: a detached actor lives until killed: this replica's own actor is the last thing left of it
+        ray.kill(ray.get_runtime_context().current_actor)
 
     def add_worker(self, info: WorkerInfo, kind: PoolKind, actor: Any) -> None:
         if info.worker_id in self._lost:

@@ -216,6 +216,10 @@ class Server:
         """Open the doors (gRPC, metrics, HTTP; NOT_SERVING until the pools are up), start the pools and the
         router (and with `--routers N`, the other replicas), then serve."""
         c = self.config
+        if c.routers > 1 and c.port and self.leading:  # (the other replicas join the lead's port)
+            from router.replicas import refuse_taken_port
+
+            refuse_taken_port(c.port)  # before binding: SO_REUSEPORT would let this one take its connections
         path = resolve_model(c.model)  # download/convert once, here, before any worker looks for it
         model = load_config(path)
         tokenizer = Tokenizer(path)
@@ -421,7 +425,7 @@ class Server:
     def stop_requested(self, grace_s: float) -> None:
         """`pdserve stop` reached the lead: drain every replica within `grace_s`, then stop everything."""
         log(f"the deployment was asked to stop (pdserve stop); draining for up to {grace_s:.0f}s")
-        asyncio.ensure_future(self.shutdown(grace_s))
+        asyncio.ensure_future(self._stop_and_exit(grace_s))
 
     def deposed(self, by: str) -> None:
         """Another replica took the pools over while this lead was silent (stopped, cut off): stop serving
@@ -431,7 +435,13 @@ class Server:
         log(f"router replica {by} took the pools over while this lead was silent; stopping (the deployment "
             "serves on without this process)")
         self.leading = False
-        asyncio.ensure_future(self.stop())
+        asyncio.ensure_future(self._stop_and_exit(None))
+
+    async def _stop_and_exit(self, grace_s: float | None) -> None:
+        """Drain for `grace_s` (None: stop at once), stop, and end this process's part (see FollowerServer)."""
+        if grace_s is not None:
+            await self.shutdown(grace_s)
+        await self.stop()
 
 
     async def _stop_workers(self) -> None:

@@ -265,6 +265,15 @@ def test_a_lone_router_does_not_share_a_taken_port(server):
         asyncio.run(lone.start())
 
 
+def test_a_second_deployment_with_replicas_on_the_same_port_is_refused_before_binding(server):
+    """Replicas share the port with SO_REUSEPORT, so a second `--routers 2` deployment on it would join the
+    group; its mailbox's name (one per port and Ray cluster) gives it away first."""
+    second = Server(ServeConfig(model=MODEL, port=server.server.port, routers=2, metrics_port=None, http_port=None))
+    with pytest.raises(ServeError, match="another pdserve deployment with router replicas serves port"):
+        asyncio.run(second.start())
+    assert second.grpc is None  # refused before it bound anything
+
+
 def _ray_get(ref):
     import ray
 
