@@ -157,11 +157,15 @@ class WorkerRegistry:
 Launcher = Callable[[PoolSpec, str], Awaitable[WorkerClient]]
 
 
-def ray_launcher(kv_config: Any, lease_s: float, detached: bool = False, router_id: str = "") -> Launcher:
+def ray_launcher(kv_config: Any, lease_s: float, router_id: str = "",
+                 detached_name: Callable[[str], tuple[str, str]] | None = None,
+                 on_launch: Callable[[str, Any], None] = lambda worker_id, actor: None) -> Launcher:
     """Start workers as Ray actors: `PrefillWorker` or `DecodeWorker` (colocated: no KV transport).
-    `lease_s`: how long a decode reservation outlives its last renewal. `detached`: the workers outlive the
-    process that starts them (router replicas: another replica takes the pools over when the lead dies).
-    `router_id`: the starting router's, whose step stream the returned clients read."""
+    `lease_s`: how long a decode reservation outlives its last renewal. `router_id`: the starting router's,
+    whose step stream the returned clients read. `detached_name(worker_id)`: (name, namespace) of a detached
+    worker, which outlives the process that starts it (router replicas: another replica takes the pools
+    over when the lead dies, and finds the workers by name). `on_launch(worker_id, actor)`: told of each
+    actor as soon as it is created, before it is ready."""
 
     async def launch(spec: PoolSpec, worker_id: str) -> WorkerClient:
         import ray
@@ -170,13 +174,15 @@ def ray_launcher(kv_config: Any, lease_s: float, detached: bool = False, router_
         from prefill_worker import PrefillWorker
 
         options = spec.actor_options()
-        if detached:
-            options["lifetime"] = "detached"
+        if detached_name is not None:
+            name, namespace = detached_name(worker_id)
+            options.update(lifetime="detached", name=name, namespace=namespace)
         if spec.kind is PoolKind.PREFILL:
             actor = ray.remote(PrefillWorker).options(**options).remote(worker_id, spec.engine, kv_config)
         else:
             kv = None if spec.kind is PoolKind.COLOCATED else kv_config
             actor = ray.remote(DecodeWorker).options(**options).remote(worker_id, spec.engine, kv, lease_s)
+        on_launch(worker_id, actor)
         return RayWorkerClient(worker_id, actor, router_id)
 
     return launch
@@ -209,6 +215,10 @@ class PoolManager:
         self.on_heartbeat = on_heartbeat
         self.cache_cursor = cache_cursor
         self.follow = follow
+        # whether this manager may declare workers dead and start new ones right now: router replicas' lead
+        # only while the replicas' mailbox confirms it leads (a lead that was stopped or cut off must not
+        # act before it learns another replica took over)
+        self.authority: Callable[[], bool] = lambda: True
         # how many schedulable workers each pool should have; `scale` changes it at run time
         self.targets: dict[PoolKind, int] = {spec.kind: spec.num_workers for spec in specs}
         self.pending: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
@@ -226,11 +236,17 @@ class PoolManager:
 
     async def start(self) -> None:
         """Start every pool's workers and wait until each has loaded its model."""
-        starts = [self._start_one(spec) for spec in self.specs for _ in range(spec.num_workers)]
-        total = len(starts)
-        for n, fut in enumerate(asyncio.as_completed(starts), 1):
-            worker = await fut
-            logger.info("worker %s ready on node %s (%d/%d)", worker.worker_id, worker.info.node_ip, n, total)
+        starts = [asyncio.ensure_future(self._start_one(spec)) for spec in self.specs for _ in range(spec.num_workers)]
+        try:
+            for n, fut in enumerate(asyncio.as_completed(starts), 1):
+                worker = await fut
+                logger.info("worker %s ready on node %s (%d/%d)", worker.worker_id, worker.info.node_ip, n,
+                            len(starts))
+        except BaseException:
+            # NOTE: the others run to their end, so every worker that did start is in the registry for the
+            # caller's stop (none keeps running unknown)
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise
 
     async def maintain(self) -> None:
         """Forever: top pools up to their targets (with backoff after failed starts). A draining worker does
@@ -240,7 +256,7 @@ class PoolManager:
             for spec in self.specs:
                 missing = (self.targets[spec.kind] - len(self.registry.schedulable(spec.kind))
                            - self.pending[spec.kind])
-                if missing > 0 and now >= self._retry_at[spec.kind]:
+                if missing > 0 and now >= self._retry_at[spec.kind] and self.authority():
                     for _ in range(missing):
                         self._spawn(self._replace(spec))
             await asyncio.sleep(self.liveness.interval_s)
@@ -318,7 +334,7 @@ class PoolManager:
             except WorkerError as e:
                 if e.lost:
                     self.registry.lose(worker, e.reason)
-                elif self.follow:  # whether a silent worker is dead is the lead's call
+                elif self.follow or not self.authority():  # whether a silent worker is dead is the lead's call
                     await asyncio.sleep(cfg.interval_s)
                 elif e.failure is Failure.TIMEOUT:  # the process is stopped, stuck or cut off
                     self.registry.lose(worker, f"no heartbeat within {cfg.worker_timeout_s:.3g}s")
@@ -331,7 +347,7 @@ class PoolManager:
             elif hb.busy and hb.loop_age_s > cfg.worker_timeout_s:
                 why = (f"its engine loop has not moved for {hb.loop_age_s:.1f}s with work to do "
                        f"(--worker-timeout {cfg.worker_timeout_s:.3g}s)")
-            if why is not None and not self.follow:
+            if why is not None and not self.follow and self.authority():
                 self.registry.lose(worker, why)
                 continue
             self.on_heartbeat(worker)

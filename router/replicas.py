@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 PING_INTERVAL_S = 0.5
 BACKOFF_MAX_S = 30.0
 READOPT_AFTER_S = 1.0  # a follower that lost touch with a worker the lead still has tries it again after this
+START_TIMEOUT_S = 20.0  # a replica that has not started serving by then is killed and started again
 RELEASE_TRIES = 5  # a dead replica's attempts are released from each worker with this many tries
 
 
@@ -79,20 +80,26 @@ class AdminMailbox:
       serve process is a Ray driver, which takes no calls; it polls `next`).
     - **The lead's beat**: the lead says every half second that it is alive (`beat`). When it has been
       silent for --worker-timeout, the first replica to `claim_lead` takes the pools over.
-    - **The replicas' handles**, for a new lead to adopt.
-    - **A stop request** (`pdserve stop`), which the lead's next beat picks up.
+    - **Every replica's and worker's handle**, registered before it starts: a new lead adopts the replicas,
+      and kills what a dead lead was still starting; the final stop kills them all.
+    - **A stop request** (`pdserve stop`), which the lead's next beat picks up (a new lead's, if the lead is
+      gone).
     """
 
     def __init__(self) -> None:
         self._inbox: asyncio.Queue[tuple[int, str, bytes]] = asyncio.Queue()
         self._answers: dict[int, asyncio.Future] = {}
+        self._handed: dict[int, str] = {}  # forwarded calls a lead took and has not answered: id -> lead id
         self._ids = itertools.count()
         self._lead: tuple[str, int] = ("", 0)  # the lead's router id and replica index ("", 0: the serve process)
         self._beat = time.monotonic()
         self._targets: dict[str, int] = {}  # the lead's pool targets, by pool kind
-        self._replicas: dict[int, tuple[str, Any]] = {}  # index -> (router id, actor) of every replica but the lead
+        self._replicas: dict[int, str] = {}  # index -> router id of every replica but the lead
+        self._workers: set[str] = set()  # the id of every worker ever started
+        self._replica_ids: set[str] = set()  # every replica's router id ever registered
         self._incarnations = itertools.count(1)
         self._stop_grace: float | None = None
+        self._closing = False  # the lead is stopping the deployment: nobody takes over any more
         self._lead_process: dict = {}
 
     async def call(self, method: str, request: bytes) -> Answer:
@@ -103,6 +110,7 @@ class AdminMailbox:
             return await answer
         finally:
             self._answers.pop(n, None)
+            self._handed.pop(n, None)
 
     async def next(self, lead_id: str) -> tuple[int, str, bytes] | None:
         """The next forwarded call, for the lead `lead_id`; None when that is no longer the lead (a dead
@@ -111,6 +119,7 @@ class AdminMailbox:
         if lead_id != self._lead[0]:
             self._inbox.put_nowait(item)
             return None
+        self._handed[item[0]] = lead_id
         return item
 
     async def answer(self, n: int, answer: Answer) -> None:
@@ -131,20 +140,34 @@ class AdminMailbox:
 
     async def claim_lead(self, router_id: str, index: int, silent_s: float) -> dict | None:
         """Replica `router_id` takes the lead if the lead has not beaten for `silent_s`: what it needs to take
-        the pools over (the old lead's id and index, its pool targets, the other replicas); None otherwise."""
-        if time.monotonic() - self._beat <= silent_s or self._stop_grace is not None:
+        the pools over (the old lead's id, index and process, its pool targets, the other replicas and every
+        worker ever started); None otherwise. The calls the old lead took and never answered fail now."""
+        if time.monotonic() - self._beat <= silent_s or self._closing:
             return None
         old_id, old_index = self._lead
         self._lead = (router_id, index)
         self._beat = time.monotonic()
         self._replicas.pop(index, None)
+        for n, taker in list(self._handed.items()):
+            fut = self._answers.get(n)
+            if taker == old_id and fut is not None and not fut.done():
+                fut.set_result((False, ("UNAVAILABLE", "the lead router replica died while running this call; "
+                                                       "check the pools (ListWorkers) and retry")))
         claim = {"old_router_id": old_id, "old_index": old_index, "old_process": self._lead_process,
-                 "targets": dict(self._targets), "replicas": dict(self._replicas)}
+                 "targets": dict(self._targets), "replicas": dict(self._replicas), "workers": sorted(self._workers)}
         self._lead_process = {}
         return claim
 
-    async def register(self, index: int, router_id: str, actor: Any) -> None:
-        self._replicas[index] = (router_id, actor)
+    async def register(self, index: int, router_id: str) -> None:
+        self._replicas[index] = router_id
+        self._replica_ids.add(router_id)
+
+    async def register_worker(self, worker_id: str) -> None:
+        self._workers.add(worker_id)
+
+    async def names(self) -> list[str]:
+        """Every replica's and worker's name under the deployment's (see `Shared.name`), gone ones included."""
+        return [f"router-{rid}" for rid in self._replica_ids] + sorted(self._workers)
 
     async def incarnation(self) -> int:
         """A number no replica of this deployment had: router ids stay unique across leads."""
@@ -154,6 +177,15 @@ class AdminMailbox:
         """`pdserve stop`: the lead drains every replica within `grace_s`, then stops the deployment."""
         self._stop_grace = grace_s
         return self._lead[0]
+
+    async def describe(self) -> dict:
+        """Who leads (router id, replica index, process) and the other replicas' ids, for operators and tests."""
+        return {"lead": self._lead[0], "index": self._lead[1], "process": dict(self._lead_process),
+                "replicas": dict(self._replicas)}
+
+    async def closing(self) -> None:
+        """The lead is stopping the deployment: no replica may take over from now on."""
+        self._closing = True
 
 
 class RendezvousHost:
@@ -171,21 +203,72 @@ class RendezvousHost:
 
 @dataclass(frozen=True)
 class Shared:
-    """What outlives the lead, and what a replica needs to take the pools over."""
+    """What outlives the lead, and what a replica needs to take the pools over.
 
+    NOTE: every detached actor of the deployment is *named* (Ray namespace `pdserve`, names under
+    `routers-<port>`), and replicas find each other, the workers, the mailbox and the store by name, never
+    through a handle another process passed them. A handle is owned by the process that made it; a replica
+    that deserialised one owned by a lead that was stalled and then killed died with that lead (seen with
+    SIGSTOP then SIGKILL of the serve process, in the middle of a takeover).
+    """
+
+    port: int  # the deployment's gRPC port: its names' root
     kv_config: Any  # the workers' kv_transfer.KVTransferConfig (None: colocated pools)
     lease_s: float  # how long a decode reservation outlives its last renewal
-    mailbox: Any  # the AdminMailbox actor
-    rendezvous: Any = None  # the RendezvousHost actor (torch transport only)
+    # NOTE: only on a Ray cluster the serve process joined. One it started itself ends with it, so there is
+    # nothing to take over, and fencing a merely stalled lead would end what a stall alone would not.
+    failover: bool = True
 
-    def close(self) -> None:
-        """After the workers: they hold clients of the store."""
+    @property
+    def mailbox_name(self) -> str:
+        return mailbox_name(self.port)
+
+    def name(self, what: str) -> str:
+        """The name of one of the deployment's actors: a worker id, "router-<router id>", "rendezvous"."""
+        return f"{mailbox_name(self.port)}/{what}"
+
+    def mailbox(self) -> Any:
+        return named(self.mailbox_name)
+
+    def worker_name(self, worker_id: str) -> tuple[str, str]:
+        """`ray_launcher`'s detached_name."""
+        return self.name(worker_id), MAILBOX_NAMESPACE
+
+    def launcher(self, router_id: str) -> Any:
+        """Starts the deployment's workers: detached, named, registered in the mailbox before they are ready."""
+        return ray_launcher(self.kv_config, self.lease_s, router_id, self.worker_name, self.register_worker)
+
+    def register_worker(self, worker_id: str, actor: Any) -> None:
+        """`ray_launcher`'s on_launch: the mailbox learns of every worker before it is ready."""
+        self.mailbox().register_worker.remote(worker_id)
+
+    async def close(self, keep: str) -> None:
+        """After the workers: kill whatever the mailbox knows of (a worker or replica a dead lead was still
+        starting) but `keep` (the caller's own name), then the store (the workers held clients of it) and
+        the mailbox."""
         import ray
 
-        for actor in (self.rendezvous, self.mailbox):
-            if actor is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor)
+        with contextlib.suppress(Exception):
+            names = await asyncio.wait_for(self.mailbox().names.remote(), 10)
+            for what in [*names, "rendezvous"]:
+                if what != keep:
+                    _kill_named(self.name(what))
+        with contextlib.suppress(Exception):
+            ray.kill(self.mailbox())
+
+
+def named(name: str) -> Any:
+    """The deployment's actor called `name` (ValueError when there is none)."""
+    import ray
+
+    return ray.get_actor(name, namespace=MAILBOX_NAMESPACE)
+
+
+def _kill_named(name: str) -> None:
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.kill(named(name))
 
 
 def _this_node() -> Any:
@@ -207,7 +290,7 @@ def refuse_taken_port(port: int) -> None:
 
 async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared:
     """The lead's first step with replicas: the mailbox (refused when another deployment with replicas has
-    this port in this Ray cluster) and the rendezvous store, both detached."""
+    this port in this Ray cluster) and the rendezvous store, both detached and named."""
     import ray
 
     from kv_transfer import KVTransferConfig
@@ -220,17 +303,20 @@ async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared
     except (ValueError, ray.exceptions.RayError) as e:
         raise ServeError(f"another pdserve deployment with router replicas serves port {port} in this Ray "
                          f"cluster ({e}); stop it with `pdserve stop --port {port}`, or pass another --port") from e
+    failover = config.ray_address is not None
     if config.colocated_workers:
-        return Shared(None, lease_s, mailbox)
+        return Shared(port, None, lease_s, failover)
     if config.kv_transport == "ray":
-        return Shared(KVTransferConfig(kv_transport="ray"), lease_s, mailbox)
-    host = ray.remote(RendezvousHost).options(num_cpus=0, lifetime="detached",
-                                              scheduling_strategy=_this_node()).remote()
+        return Shared(port, KVTransferConfig(kv_transport="ray"), lease_s, failover)
+    shared = Shared(port, None, lease_s, failover)
+    host = ray.remote(RendezvousHost).options(
+        name=shared.name("rendezvous"), namespace=MAILBOX_NAMESPACE, num_cpus=0, lifetime="detached",
+        scheduling_strategy=_this_node()).remote()
     addr, store_port = await host.address.remote()
     # NOTE: a fresh secret per deployment, handed to the workers inside this config (see Server._kv_config)
     kv = KVTransferConfig(kv_transport="torch", rendezvous_host=addr, rendezvous_port=store_port,
                           secret=secrets.token_hex(32))
-    return Shared(kv, lease_s, mailbox, host)
+    return dataclasses.replace(shared, kv_config=kv)
 
 
 class FollowerServer(Server):
@@ -242,12 +328,12 @@ class FollowerServer(Server):
         self.index = index
         self.router_id = router_id
         self.shared = shared
-        self.mailbox = shared.mailbox
+        self.mailbox = shared.mailbox()
         self.leading = False
         self.reports_pools = False  # pool sizes are the lead's to report
         # every worker the lead told of and has not declared lost (adopted once the router exists; again after
         # this replica lost touch with one)
-        self._known: dict[str, tuple[WorkerInfo, PoolKind, Any]] = {}
+        self._known: dict[str, tuple[WorkerInfo, PoolKind]] = {}
         self._lost: set[str] = set()  # workers the lead declared lost
         self._readopts: set[asyncio.Task] = set()
 
@@ -267,9 +353,10 @@ class FollowerServer(Server):
                                  LivenessConfig(worker_timeout_s=c.worker_timeout), follow=True,
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
                                  cache_cursor=self.router.cache_cursor)
-        for info, kind, actor in list(self._known.values()):
-            self.add_worker(info, kind, actor)
-        self._tasks.append(asyncio.ensure_future(self._watch_lead()))
+        for info, kind in list(self._known.values()):
+            self.add_worker(info, kind)
+        if self.shared.failover:
+            self._tasks.append(asyncio.ensure_future(self._watch_lead()))
 
     async def _watch_lead(self) -> None:
         """Claim the lead whenever the lead has been silent for --worker-timeout (the mailbox grants it to
@@ -298,12 +385,19 @@ class FollowerServer(Server):
         self.reports_pools = True
         self.registry.kill_on_loss = True
         self.registry.on_lost.remove(self._on_lost)
-        self.pools.promote(ray_launcher(self.shared.kv_config, self.shared.lease_s, True, self.router_id),
+        for task in list(self._readopts):
+            task.cancel()
+        for worker in self.registry.workers.values():  # lost touch with, not taken back: not trusted now
+            if not worker.alive and worker.worker_id not in self._lost:
+                with contextlib.suppress(Exception):
+                    worker.client.kill()
+        self.pools.promote(self.shared.launcher(self.router_id),
                            {PoolKind(k): n for k, n in claim["targets"].items()})
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         self.admin_runner = AdminServicer()
         self.admin = self.admin_runner.admin = PoolAdmin(self.router, self.pools)
         self.replicas = ReplicaSet(self, c.routers - 1)
+        self.pools.authority = self.replicas.leads
         self.admin.drain_elsewhere = self.replicas.drain_worker
         await self.replicas.take_over(claim)
 
@@ -314,11 +408,17 @@ class FollowerServer(Server):
         # NOTE: a detached actor lives until killed: this replica's own actor is the last thing left of it
         ray.kill(ray.get_runtime_context().current_actor)
 
-    def add_worker(self, info: WorkerInfo, kind: PoolKind, actor: Any) -> None:
+    def add_worker(self, info: WorkerInfo, kind: PoolKind) -> None:
+        """The lead started a worker (or had it when this replica started): adopt it, found by name."""
         if info.worker_id in self._lost:
             return
-        self._known[info.worker_id] = (info, kind, actor)
+        self._known[info.worker_id] = (info, kind)
         if self.router is None:
+            return
+        try:
+            actor = named(self.shared.name(info.worker_id))
+        except ValueError:
+            logger.warning("worker %s is gone already; the lead will say so", info.worker_id)
             return
         self.pools.adopt(info, RayWorkerClient(info.worker_id, actor, self.router_id), kind)
 
@@ -366,9 +466,9 @@ class RouterReplica:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.server = FollowerServer(config, index, router_id, shared)
 
-    async def start(self, workers: list[tuple[WorkerInfo, str, Any]]) -> dict:
-        for info, kind, actor in workers:
-            self.server.add_worker(info, PoolKind(kind), actor)
+    async def start(self, workers: list[tuple[WorkerInfo, str]]) -> dict:
+        for info, kind in workers:
+            self.server.add_worker(info, PoolKind(kind))
         await self.server.start()
         return await self.describe_process()
 
@@ -379,8 +479,8 @@ class RouterReplica:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "port": self.server.port,
                 "metrics_port": self.server.metrics_port, "http_port": self.server.http_port}
 
-    async def add_worker(self, info: WorkerInfo, kind: str, actor: Any) -> None:
-        self.server.add_worker(info, PoolKind(kind), actor)
+    async def add_worker(self, info: WorkerInfo, kind: str) -> None:
+        self.server.add_worker(info, PoolKind(kind))
 
     async def lose_worker(self, worker_id: str, why: str) -> None:
         self.server.lose_worker(worker_id, why)
@@ -454,6 +554,33 @@ def _kill_process(process: dict, title: bytes) -> None:
         logger.warning("could not end process %d: %s", pid, e)
 
 
+async def _fence(process: dict, grace_s: float) -> None:
+    """End a lead another replica took over from, when it runs on this node: wake it (SIGCONT: a stopped
+    one), give it `grace_s` to learn at its next beat that it was deposed and exit, then SIGKILL it.
+    NOTE: a SIGKILL straight into a SIGSTOPped serve process (a Ray driver) killed the new lead itself half
+    a second later, or left it unable to start the replacement replica (Ray 2.60, reproduced every time);
+    a driver that exits by itself, or is killed while running, does not."""
+    import ray
+
+    pid = process.get("pid")
+    if not pid or process.get("node_id") != ray.get_runtime_context().get_node_id():
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _is_process(pid, process["title"]):
+        await asyncio.sleep(0.1)
+    _kill_process(process, process["title"])
+
+
+def _is_process(pid: int, title: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(title)
+    except OSError:
+        return False
+
+
 def this_process() -> dict:
     """{"pid", "node_id", "title"} of the calling process; the title is how its command line starts: the
     whole of it, or a Ray actor's `ray::Class` (Ray rewrites the rest)."""
@@ -473,43 +600,68 @@ class ReplicaSet:
         self.lead = lead
         self.count = count
         self.replicas: dict[int, _Replica] = {}
-        self.mailbox: Any = lead.shared.mailbox
+        self.mailbox: Any = lead.shared.mailbox() if lead.shared is not None else None
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+        self._confirmed = time.monotonic()  # when the mailbox last answered that this is the lead
         self.replaced = 0  # replicas replaced after they died
 
     def _timeout(self) -> float:
         return self.lead.config.worker_timeout
+
+    def leads(self) -> bool:
+        """Whether this lead may act on the pools and the replicas (declare dead, kill, start): the mailbox
+        confirmed it within half of --worker-timeout, well before another replica could claim the lead."""
+        return time.monotonic() - self._confirmed < self._timeout() / 2
 
     async def start(self) -> None:
         """The serve process: start the other replicas (indexes 1..count)."""
         self._spawn(self._beat())
         self.lead.registry.on_added.append(self._tell_added)
         self.lead.registry.on_lost.append(self._tell_lost)
-        await asyncio.gather(*(self._start_one(i) for i in range(1, self.count + 1)))
+        started = await asyncio.gather(*(self._start_one(i) for i in range(1, self.count + 1)),
+                                       return_exceptions=True)  # (all of them in `replicas`, for a stop)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            raise failed[0]
         self._spawn(self._serve_admin())
 
     async def take_over(self, claim: dict) -> None:
-        """A replica that took the pools over (see `FollowerServer._take_over`): free what the old lead's
-        requests held, adopt the other replicas, and start one in the old lead's place."""
+        """A replica that took the pools over (see `FollowerServer._take_over`): fence the old lead, adopt
+        the other replicas, kill what the old lead was still starting, free what its requests held, and
+        start a replica in its place."""
+
         # NOTE: fence the old lead first: a stalled one still holds its share of the port (new connections
         # would hang there), and one that wakes up must not act on the pools again (a lead on another node
-        # stops itself at its next beat: "deposed")
+        # stops itself at its next beat: "deposed", and acts on nothing before it: `leads`)
         old = claim["old_process"]
         if old:
-            _kill_process(old, old["title"])
+            await _fence(old, self._timeout())
+        shared = self.lead.shared
+        for index, router_id in claim["replicas"].items():  # before any wait: a stop sees them
+            try:
+                actor = named(shared.name(f"router-{router_id}"))
+            except ValueError:  # gone: start another in its place
+                self._spawn(self._start_with_retries(index))
+                continue
+            self.replicas[index] = _Replica(index, router_id, actor, started=True)
+        known = set(self.lead.registry.workers)
+        for worker_id in claim["workers"]:
+            if worker_id not in known:  # the old lead was starting it
+                logger.info("killing worker %s, which the old lead started and this replica never heard of",
+                            worker_id)
+                _kill_named(shared.name(worker_id))
         self._spawn(self._beat())
         self.lead.registry.on_added.append(self._tell_added)
         self.lead.registry.on_lost.append(self._tell_lost)
         self._spawn(self._serve_admin())
-        freed = await asyncio.gather(*(self._release(w, claim["old_router_id"]) for w in self.lead.registry.live()))
-        logger.info("freed %d attempt(s) of the old lead on the workers", sum(freed))
-        for index, (router_id, actor) in claim["replicas"].items():
-            rep = self.replicas[index] = _Replica(index, router_id, actor, started=True)
+        for rep in list(self.replicas.values()):
             with contextlib.suppress(Exception):  # one that does not answer is replaced by `_watch`
-                rep.info = await asyncio.wait_for(actor.describe_process.remote(), self._timeout())
+                rep.info = await asyncio.wait_for(rep.actor.describe_process.remote(), self._timeout())
             self._spawn(self._watch(rep))
         self._spawn(self._start_with_retries(claim["old_index"]))
+        freed = await asyncio.gather(*(self._release(w, claim["old_router_id"]) for w in self.lead.registry.live()))
+        logger.info("freed %d attempt(s) of the old lead on the workers", sum(freed))
 
     def describe(self) -> list[dict]:
         """Every replica but the lead: index, router id, pid, ports (for operators and tests)."""
@@ -530,14 +682,17 @@ class ReplicaSet:
         # NOTE: by default on the lead's node, where the exposed port is: SO_REUSEPORT spreads its connections.
         # --routers-spread places them over the nodes, for a Service that reaches every node's port.
         strategy = "SPREAD" if c.routers_spread else _this_node()
+        await self.mailbox.register.remote(index, router_id)  # first: a new lead adopts or stops it
         actor = ray.remote(RouterReplica).options(
             num_cpus=0, max_concurrency=10_000, max_restarts=0, scheduling_strategy=strategy, lifetime="detached",
+            name=lead.shared.name(f"router-{router_id}"), namespace=MAILBOX_NAMESPACE,
         ).remote(config, index, router_id, lead.shared)
         rep = self.replicas[index] = _Replica(index, router_id, actor)  # before `start`: it hears of changes
-        workers = [(w.info, w.kind.value, w.client.actor) for w in lead.registry.live()]
+        workers = [(w.info, w.kind.value) for w in lead.registry.live()]
         try:
-            rep.info = await actor.start.remote(workers)
-            await self.mailbox.register.remote(index, router_id, actor)
+            # NOTE: bounded: a replica created while Ray was ending a dead lead's job never started (Ray 2.60:
+            # its creation finished, the start call never reached it); the retry starts another
+            rep.info = await asyncio.wait_for(actor.start.remote(workers), max(START_TIMEOUT_S, self._timeout()))
         except BaseException:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
@@ -553,6 +708,7 @@ class ReplicaSet:
         import ray
 
         process = this_process()
+        asked = False
         while not self._stopping:
             targets = {kind.value: n for kind, n in self.lead.pools.targets.items()}
             try:
@@ -563,14 +719,15 @@ class ReplicaSet:
                 if state == "deposed":
                     self.lead.deposed("another")
                     return
-                if state == "stop":
+                self._confirmed = time.monotonic()
+                if state == "stop" and not asked:
+                    asked = True  # and beat on while it drains: nobody takes over meanwhile
                     self.lead.stop_requested(grace)
-                    return
             await asyncio.sleep(PING_INTERVAL_S)
 
     def _tell_added(self, worker: Worker) -> None:
         for rep in self.replicas.values():
-            rep.actor.add_worker.remote(worker.info, worker.kind.value, worker.client.actor)
+            rep.actor.add_worker.remote(worker.info, worker.kind.value)
 
     def _tell_lost(self, worker: Worker, why: str) -> None:
         for rep in self.replicas.values():
@@ -584,6 +741,9 @@ class ReplicaSet:
             try:
                 await asyncio.wait_for(rep.actor.ping.remote(), self._timeout())
             except (asyncio.TimeoutError, ray.exceptions.RayActorError) as e:
+                if not self.leads():  # (e.g. this lead was the one stopped): no kill on stale evidence
+                    await asyncio.sleep(PING_INTERVAL_S)
+                    continue
                 why = (f"no answer within {self._timeout():.3g}s" if isinstance(e, asyncio.TimeoutError)
                        else f"its actor died: {e}")
                 await self._replace(rep, why)
@@ -670,13 +830,14 @@ class ReplicaSet:
         """Stop watching; with `everything`, stop and kill every other replica too (a deposed lead leaves
         them to the new one)."""
 
+        if everything:
+            with contextlib.suppress(Exception):  # first: no replica claims the lead while they stop
+                await asyncio.wait_for(self.mailbox.closing.remote(), timeout=5)
         self._stopping = True
         for t in list(self._tasks):
             t.cancel()
         if not everything:
             return
-        with contextlib.suppress(Exception):  # no replica claims the lead while they stop
-            await asyncio.wait_for(self.mailbox.request_stop.remote(0.0), timeout=5)
         reps = list(self.replicas.values())
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(r.actor.stop.remote() for r in reps), return_exceptions=True),
@@ -707,8 +868,10 @@ def stop_deployment(port: int, grace_s: float, wait_s: float = 60.0) -> str:
     while time.monotonic() < deadline:
         try:
             ray.get(mailbox.beat.remote("-", {}), timeout=5)  # any call: it answers until the lead kills it
-        except (ray.exceptions.RayError, TimeoutError):
+        except ray.exceptions.RayActorError:
             return lead
+        except ray.exceptions.GetTimeoutError:
+            pass  # slow, not gone
         time.sleep(0.5)
     raise ServeError(f"the deployment on port {port} did not stop within {grace_s + wait_s:.0f}s: its lead "
                      f"({lead or 'the serve process'}) did not act on the request; is it alive?")

@@ -209,6 +209,7 @@ class Server:
         self.stopped = asyncio.Event()  # set once `stop` has run
         self.port = config.port
         self._tasks: list[asyncio.Task] = []
+        self._exit: asyncio.Task | None = None  # a stop this server started itself (`pdserve stop`, deposed)
         self._stopped = False
         self._serving = False
 
@@ -323,7 +324,8 @@ class Server:
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
         self.registry = WorkerRegistry()
         self.router = Router(c.router_config(), self.registry, observer=self.observer)
-        self.pools = PoolManager(c.pool_specs(), self.registry, ray_launcher(kv_config, lease_s, detached=replicated),
+        launch = self.shared.launcher(self.router_id) if replicated else ray_launcher(kv_config, lease_s)
+        self.pools = PoolManager(c.pool_specs(), self.registry, launch,
                                  LivenessConfig(worker_timeout_s=c.worker_timeout),
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
                                  cache_cursor=self.router.cache_cursor)
@@ -333,6 +335,7 @@ class Server:
         self.admin_runner = self.admin_servicer
         if replicated:
             self.replicas = ReplicaSet(self, c.routers - 1)
+            self.pools.authority = self.replicas.leads
             self.admin.drain_elsewhere = self.replicas.drain_worker
             log(f"starting {c.routers - 1} more router replica(s) on port {self.port}...")
             await self.replicas.start()
@@ -399,8 +402,15 @@ class Server:
         """Stop serving; the lead also stops every worker and replica. A lead another replica replaced
         (`deposed`) leaves them running: they are the new lead's."""
         if self._stopped:
+            await self.stopped.wait()  # a second caller returns once the first one's stop is done
             return
         self._stopped = True
+        try:
+            await self._stop()
+        finally:
+            self.stopped.set()
+
+    async def _stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         if self.grpc is not None:
@@ -417,15 +427,14 @@ class Server:
         if self.rendezvous is not None:  # after the workers: they hold clients of it
             self.rendezvous.close()
         if self.shared is not None and self.leading:
-            self.shared.close()
+            await self.shared.close(keep=f"router-{self.router_id}")
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
-        self.stopped.set()
 
     def stop_requested(self, grace_s: float) -> None:
         """`pdserve stop` reached the lead: drain every replica within `grace_s`, then stop everything."""
         log(f"the deployment was asked to stop (pdserve stop); draining for up to {grace_s:.0f}s")
-        asyncio.ensure_future(self._stop_and_exit(grace_s))
+        self._exit = asyncio.ensure_future(self._stop_and_exit(grace_s))  # (not in _tasks: stop cancels those)
 
     def deposed(self, by: str) -> None:
         """Another replica took the pools over while this lead was silent (stopped, cut off): stop serving
@@ -435,7 +444,7 @@ class Server:
         log(f"router replica {by} took the pools over while this lead was silent; stopping (the deployment "
             "serves on without this process)")
         self.leading = False
-        asyncio.ensure_future(self._stop_and_exit(None))
+        self._exit = asyncio.ensure_future(self._stop_and_exit(None))
 
     async def _stop_and_exit(self, grace_s: float | None) -> None:
         """Drain for `grace_s` (None: stop at once), stop, and end this process's part (see FollowerServer)."""
@@ -504,8 +513,8 @@ async def serve_forever(config: ServeConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
     try:
+        await server.start()  # (a failed start is stopped below: nothing it started is left running)
         signalled = asyncio.ensure_future(stop.wait())
         await asyncio.wait([signalled, asyncio.ensure_future(server.stopped.wait())],
                            return_when=asyncio.FIRST_COMPLETED)

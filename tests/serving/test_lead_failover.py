@@ -8,7 +8,8 @@ process SIGKILLed mid-stream.
 - `pdserve stop` then drains and stops the whole deployment, whichever replica leads it: no actor of it is
   left, and every CPU it held is back;
 - a stalled (SIGSTOPped) lead is fenced: the replica taking over kills its process, whose socket would
-  otherwise keep taking connections it never answers.
+  otherwise keep taking connections it never answers;
+- `pdserve stop` right after a lead died (before any replica took over) still stops everything.
 """
 
 from __future__ import annotations
@@ -85,6 +86,24 @@ def _pinned(address: str, metrics: int) -> dict[int, grpc.Channel]:
     raise AssertionError(f"connections reached replicas {sorted(found)} only")
 
 
+ACTORS = (b"ray::RouterReplica", b"ray::AdminMailbox", b"ray::RendezvousHost", b"ray::PrefillWorker",
+          b"ray::DecodeWorker")
+
+
+def _deployment_processes() -> set[int]:
+    """Pids of every process on this machine that is one of a deployment's actors (by Ray's process title)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(ACTORS):
+                        pids.add(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
 def _workers(address: str) -> admin.ListWorkersResponse:
     with grpc.insecure_channel(address) as channel:
         return admin_pb2_grpc.AdminStub(channel).ListWorkers(admin.ListWorkersRequest(), timeout=30)
@@ -109,12 +128,13 @@ def deployment(ray):
     gRPC address, metrics port of replica 0). Whatever happens, the deployment is stopped afterwards
     (`pdserve stop`, which the test may have run itself) and every CPU it held is back."""
     cpus = ray.available_resources().get("CPU", 0)
+    _wait("an earlier deployment's actors to end", lambda: not _deployment_processes(), timeout=60)
     port, metrics = _free_ports(1), _free_ports(2)
     gcs = ray.get_runtime_context().gcs_address
     lead = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "serve", "--model", MODEL, "--ray-address", gcs, "--port", str(port),
          "--metrics-port", str(metrics), "--routers", "2", "--http-port", "0", "--worker-threads", "1",
-         "--num-blocks", "256", "--worker-timeout", "3"],
+         "--num-blocks", "256", "--worker-timeout", "5"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(iter(lead.stderr.readline, "")), daemon=True).start()
@@ -126,11 +146,13 @@ def deployment(ray):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(lead.pid, signal.SIGCONT)
-        stop(ray, port, grace=0)
+        done = stop(ray, port, grace=0)  # (a no-op answer when the test stopped it already)
+        assert done.returncode == 0 or "no pdserve deployment" in done.stderr, done.stderr[-3000:]
         if lead.poll() is None:
             lead.kill()
         lead.wait(10)
         _wait("every CPU back", lambda: ray.available_resources().get("CPU", 0) == cpus, timeout=60)
+        _wait("no actor of the deployment left", lambda: not _deployment_processes(), timeout=60)
 
 
 def stop(ray, port: int, grace: float) -> subprocess.CompletedProcess:
@@ -197,9 +219,12 @@ def test_the_other_replica_takes_the_pools_over_when_the_lead_dies(ray_cluster, 
             w.worker_id.startswith("decode") and w.worker_id != decode.worker_id for w in r.workers)
             else None)(_workers(address)))
         assert decode.worker_id not in {w.worker_id for w in after.workers}
-        # ... and a replica serves in the lead's place (its /metrics on the lead's port again)
+        # ... and a replica serves in the lead's place (its /metrics on the lead's port again), taking its
+        # share of the new connections
         _wait("a replica in the lead's place", lambda: _served(metrics) >= 0)
-        _serves_every_connection(address, reference)
+        before = _served(metrics)
+        _serves_every_connection(address, reference, n=12)
+        assert _served(metrics) > before, "no connection reached the replica in the lead's place"
 
         # `pdserve stop`: the new lead drains and stops everything
         done = stop(ray, int(address.rsplit(":", 1)[1]), grace=5)
@@ -211,14 +236,30 @@ def test_the_other_replica_takes_the_pools_over_when_the_lead_dies(ray_cluster, 
             list(pb_grpc.GenerationStub(channel).Generate(greedy_request(PROMPT, 1), timeout=5))
 
 
-def test_a_stalled_lead_is_fenced_and_replaced(ray_cluster, reference):
+def test_a_stalled_lead_is_fenced_and_replaced_and_a_stop_outlives_the_next_lead(ray_cluster, reference):
     """SIGSTOP the serve process: its socket keeps taking connections it will never answer. The replica
-    that takes the pools over kills it (same node), so every new connection is served."""
+    that takes the pools over kills it (same node), so every new connection is served. Then that lead is
+    killed and `pdserve stop` runs at once, before the last replica took over."""
     ray = ray_cluster
     with deployment(ray) as (lead, address, metrics):
         results = _stream_through_both(address, metrics, lambda: os.kill(lead.pid, signal.SIGSTOP))
         assert results[1] == reference
-        assert isinstance(results[0], grpc.StatusCode), results[0]
-        assert lead.wait(60) == -signal.SIGKILL  # fenced by the new lead
+        # (fencing lets the stopped lead run for a second before the kill: its stream may end in it)
+        assert isinstance(results[0], grpc.StatusCode) or results[0] == reference, results[0]
+        # fenced by the new lead: woken, it learns at its next beat that it was deposed and exits (or is killed)
+        assert lead.wait(60) in (0, -signal.SIGKILL)
         _wait("the Admin API after the takeover", lambda: _workers(address))
         _serves_every_connection(address, reference, n=6)
+
+        # the new lead dies too, and `pdserve stop` comes before any replica took over: the replica that
+        # claims the lead finds the request at its first beat and stops everything
+        _wait("a replica in the lead's place", lambda: _served(metrics) >= 0)
+        port = int(address.rsplit(":", 1)[1])
+        mailbox = ray.get_actor(f"routers-{port}", namespace="pdserve")
+        now = ray.get(mailbox.describe.remote(), timeout=30)
+        assert now["lead"].startswith("1.") and now["process"]["title"] == b"ray::RouterReplica"
+        os.kill(now["process"]["pid"], signal.SIGKILL)
+        done = stop(ray, port, grace=0)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"its lead: router replica {now['lead']})" in done.stderr, done.stderr[-3000:]
+        _wait("no actor of the deployment left", lambda: not _deployment_processes(), timeout=60)
