@@ -207,9 +207,9 @@ class Shared:
 
     NOTE: every detached actor of the deployment is *named* (Ray namespace `pdserve`, names under
     `routers-<port>`), and replicas find each other, the workers, the mailbox and the store by name, never
-    through a handle another process passed them. A handle is owned by the process that made it; a replica
-    that deserialised one owned by a lead that was stalled and then killed died with that lead (seen with
-    SIGSTOP then SIGKILL of the serve process, in the middle of a takeover).
+    through a handle another process passed them: a handle is owned by the process that made it, and
+    nothing a new lead holds should hang on a lead that died. (Names were not enough on their own for the
+    SIGSTOPped-lead case: see `_fence`.) Operators see the same names in `ray list actors`.
     """
 
     port: int  # the deployment's gRPC port: its names' root
