@@ -183,6 +183,15 @@ class AdminMailbox:
         return {"lead": self._lead[0], "index": self._lead[1], "process": dict(self._lead_process),
                 "replicas": dict(self._replicas)}
 
+    async def restore(self, lead: tuple[str, int], targets: dict[str, int], replicas: dict[int, str],
+                      workers: list[str], incarnation: int) -> None:
+        """A recreated mailbox (the old one died): what the lead knows, and ids from `incarnation` on."""
+        self._lead, self._targets, self._replicas = lead, targets, dict(replicas)
+        self._replica_ids |= set(replicas.values())
+        self._workers |= set(workers)
+        self._incarnations = itertools.count(incarnation)
+        self._beat = time.monotonic()
+
     async def closing(self) -> None:
         """The lead is stopping the deployment: no replica may take over from now on."""
         self._closing = True
@@ -288,6 +297,16 @@ def refuse_taken_port(port: int) -> None:
                          f"stop it with `pdserve stop --port {port}`, or pass another --port")
 
 
+async def _create_mailbox(port: int) -> Any:
+    import ray
+
+    mailbox = ray.remote(AdminMailbox).options(
+        name=mailbox_name(port), namespace=MAILBOX_NAMESPACE, lifetime="detached", num_cpus=0,
+        max_concurrency=1000, scheduling_strategy=_this_node()).remote()
+    await mailbox.incarnation.remote()  # created (a taken name fails here or above)
+    return mailbox
+
+
 async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared:
     """The lead's first step with replicas: the mailbox (refused when another deployment with replicas has
     this port in this Ray cluster) and the rendezvous store, both detached and named."""
@@ -296,10 +315,7 @@ async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared
     from kv_transfer import KVTransferConfig
 
     try:
-        mailbox = ray.remote(AdminMailbox).options(
-            name=mailbox_name(port), namespace=MAILBOX_NAMESPACE, lifetime="detached", num_cpus=0,
-            max_concurrency=1000, scheduling_strategy=_this_node()).remote()
-        await mailbox.incarnation.remote()  # created (a taken name fails here or above)
+        await _create_mailbox(port)
     except (ValueError, ray.exceptions.RayError) as e:
         raise ServeError(f"another pdserve deployment with router replicas serves port {port} in this Ray "
                          f"cluster ({e}); stop it with `pdserve stop --port {port}`, or pass another --port") from e
@@ -339,6 +355,12 @@ class FollowerServer(Server):
 
     def _metrics_labels(self) -> dict[str, str]:
         return {"router": str(self.index)}
+
+    def use_mailbox(self) -> None:
+        """The lead recreated the mailbox: find the new one (by name)."""
+        self.mailbox = self.shared.mailbox()
+        if isinstance(self.admin_servicer, ForwardingAdminServicer):
+            self.admin_servicer.mailbox = self.mailbox
 
     def _admin_servicer(self):
         return ForwardingAdminServicer(self.mailbox)
@@ -484,6 +506,9 @@ class RouterReplica:
 
     async def lose_worker(self, worker_id: str, why: str) -> None:
         self.server.lose_worker(worker_id, why)
+
+    async def use_mailbox(self) -> None:
+        self.server.use_mailbox()
 
     async def drain_worker(self, worker_id: str, method: str, timeout_s: float) -> bool:
         """Move this replica's requests off a worker the lead is draining (see `Router.drain_worker`)."""
@@ -713,6 +738,10 @@ class ReplicaSet:
             targets = {kind.value: n for kind, n in self.lead.pools.targets.items()}
             try:
                 state, grace = await self.mailbox.beat.remote(self.lead.router_id, targets, process)
+            except ray.exceptions.RayActorError as e:
+                logger.error("the replicas' mailbox died (%s); recreating it", e)
+                with contextlib.suppress(Exception):
+                    await self._recreate_mailbox(targets)
             except ray.exceptions.RayError as e:
                 logger.warning("cannot reach the replicas' mailbox: %s", e)
             else:
@@ -724,6 +753,24 @@ class ReplicaSet:
                     asked = True  # and beat on while it drains: nobody takes over meanwhile
                     self.lead.stop_requested(grace)
             await asyncio.sleep(PING_INTERVAL_S)
+
+    async def _recreate_mailbox(self, targets: dict[str, int]) -> None:
+        """The mailbox died (killed, its node gone): make a new one under the same name, tell it what this
+        lead knows, and have every replica (and this one, if it is a replica) find it again. Admin calls
+        through the other replicas fail UNAVAILABLE meanwhile; elections wait for it."""
+        lead = self.lead
+        mailbox = await _create_mailbox(lead.shared.port)
+        replicas = {r.index: r.router_id for r in self.replicas.values()}
+        seen = [int(rid.rsplit(".", 1)[1]) for rid in [*replicas.values(), lead.router_id] if "." in rid]
+        await mailbox.restore.remote((lead.router_id, lead.index), targets, replicas, list(lead.registry.workers),
+                                     max(seen, default=0) + 1)
+        self.mailbox = mailbox
+        if isinstance(lead, FollowerServer):
+            lead.use_mailbox()
+        await asyncio.gather(*(r.actor.use_mailbox.remote() for r in self.replicas.values() if r.started),
+                             return_exceptions=True)
+        self._spawn(self._serve_admin())  # the old loop ended with the old mailbox
+        log(f"recreated the replicas' mailbox ({len(replicas)} replica(s), {len(lead.registry.workers)} worker(s))")
 
     def _tell_added(self, worker: Worker) -> None:
         for rep in self.replicas.values():
@@ -795,7 +842,7 @@ class ReplicaSet:
             try:
                 call = await self.mailbox.next.remote(self.lead.router_id)
             except ray.exceptions.RayError as e:
-                logger.error("the Admin mailbox failed (%s); other replicas' Admin calls fail until a restart", e)
+                logger.warning("the replicas' mailbox failed (%s); the lead's next beat recreates it", e)
                 return
             if call is None:
                 return  # no longer the lead

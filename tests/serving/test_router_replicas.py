@@ -78,6 +78,7 @@ def _pinned(server, per_replica: int) -> dict[str, list[pb_grpc.GenerationStub]]
             break
         channel = _connect(server)
         stub = pb_grpc.GenerationStub(channel)
+        stub.channel = channel  # (for a test that calls Admin on the same connection)
         before = _requests_served(server)
         list(stub.Generate(greedy_request("Hi", 1), timeout=60))
         after = _requests_served(server)
@@ -255,6 +256,27 @@ def test_a_stalled_replica_is_killed_and_replaced_and_the_lead_serves_on(server,
             got = token_ids(list(pb_grpc.GenerationStub(channel).Generate(
                 greedy_request(PROMPTS[2], TOKENS, ignore_eos=True), timeout=120)))
             assert got == references[PROMPTS[2]]
+
+
+def test_a_dead_mailbox_is_recreated_and_admin_through_the_other_replica_works_again(server):
+    import ray
+
+    port = server.server.port
+    ray.kill(ray.get_actor(f"routers-{port}", namespace="pdserve"))
+    admin_stub = admin_pb2_grpc.AdminStub(_pinned(server, 1)["1"][0].channel)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            res = admin_stub.ListWorkers(admin.ListWorkersRequest(), timeout=10)
+            break
+        except grpc.RpcError as e:  # UNAVAILABLE while the mailbox is gone
+            assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
+            time.sleep(0.5)
+    assert len(res.workers) == 3
+    mailbox = ray.get_actor(f"routers-{port}", namespace="pdserve")
+    described = _ray_get(mailbox.describe.remote())
+    assert described["lead"] == "" and set(described["replicas"]) == {1}
+    assert server.server.replicas.leads()  # the lead beats in the new one
 
 
 def test_a_lone_router_does_not_share_a_taken_port(server):
