@@ -10,8 +10,8 @@ blocks are freed and it is recomputed from scratch later (vLLM's recompute preem
 
 With speculative decoding on, a decoding sequence's chunk also carries the proposer's draft tokens (as
 many as k, its share of the step's draft cap, the budget, its max_tokens and the context allow); `update`
-keeps the verified ones and rolls the rest back. When the drafts' blocks do not fit, the sequence decodes plainly this step rather than
-preempting anyone.
+keeps the verified ones and rolls the rest back. When the drafts' blocks do not fit, the sequence decodes
+plainly this step rather than preempting anyone.
 """
 
 from __future__ import annotations

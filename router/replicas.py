@@ -40,7 +40,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import secrets
 import signal
 import time
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ from router.lifecycle import Method
 from router.placement import PoolKind
 from router.pool import LivenessConfig, PoolManager, Worker, WorkerRegistry, ray_launcher
 from router.router import Router
-from router.server import ServeConfig, ServeError, Server, log
+from router.server import ServeConfig, ServeError, Server, kv_transfer_config, log
 from router.worker_client import RayWorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -228,16 +227,12 @@ class Shared:
     # nothing to take over, and fencing a merely stalled lead would end what a stall alone would not.
     failover: bool = True
 
-    @property
-    def mailbox_name(self) -> str:
-        return mailbox_name(self.port)
-
     def name(self, what: str) -> str:
         """The name of one of the deployment's actors: a worker id, "router-<router id>", "rendezvous"."""
         return f"{mailbox_name(self.port)}/{what}"
 
     def mailbox(self) -> Any:
-        return named(self.mailbox_name)
+        return named(mailbox_name(self.port))
 
     def worker_name(self, worker_id: str) -> tuple[str, str]:
         """`ray_launcher`'s detached_name."""
@@ -289,10 +284,8 @@ def _this_node() -> Any:
 
 def refuse_taken_port(port: int) -> None:
     """ServeError when a deployment with router replicas already has `port` in this Ray cluster."""
-    import ray
-
     with contextlib.suppress(ValueError):
-        ray.get_actor(mailbox_name(port), namespace=MAILBOX_NAMESPACE)
+        named(mailbox_name(port))
         raise ServeError(f"another pdserve deployment with router replicas serves port {port} in this Ray cluster; "
                          f"stop it with `pdserve stop --port {port}`, or pass another --port")
 
@@ -312,27 +305,19 @@ async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared
     this port in this Ray cluster) and the rendezvous store, both detached and named."""
     import ray
 
-    from kv_transfer import KVTransferConfig
-
     try:
         await _create_mailbox(port)
     except (ValueError, ray.exceptions.RayError) as e:
         raise ServeError(f"another pdserve deployment with router replicas serves port {port} in this Ray "
                          f"cluster ({e}); stop it with `pdserve stop --port {port}`, or pass another --port") from e
-    failover = config.ray_address is not None
-    if config.colocated_workers:
-        return Shared(port, None, lease_s, failover)
-    if config.kv_transport == "ray":
-        return Shared(port, KVTransferConfig(kv_transport="ray"), lease_s, failover)
-    shared = Shared(port, None, lease_s, failover)
-    host = ray.remote(RendezvousHost).options(
-        name=shared.name("rendezvous"), namespace=MAILBOX_NAMESPACE, num_cpus=0, lifetime="detached",
-        scheduling_strategy=_this_node()).remote()
-    addr, store_port = await host.address.remote()
-    # NOTE: a fresh secret per deployment, handed to the workers inside this config (see Server._kv_config)
-    kv = KVTransferConfig(kv_transport="torch", rendezvous_host=addr, rendezvous_port=store_port,
-                          secret=secrets.token_hex(32))
-    return dataclasses.replace(shared, kv_config=kv)
+    shared = Shared(port, None, lease_s, failover=config.ray_address is not None)
+    store = None
+    if config.needs_rendezvous:
+        host = ray.remote(RendezvousHost).options(
+            name=shared.name("rendezvous"), namespace=MAILBOX_NAMESPACE, num_cpus=0, lifetime="detached",
+            scheduling_strategy=_this_node()).remote()
+        store = await host.address.remote()
+    return dataclasses.replace(shared, kv_config=kv_transfer_config(config, store))
 
 
 class FollowerServer(Server):
@@ -560,21 +545,33 @@ def _end(rep: _Replica) -> None:
     _kill_process(rep.info, b"ray::RouterReplica")
 
 
-def _kill_process(process: dict, title: bytes) -> None:
-    """SIGKILL `process` ({"pid", "node_id"}) if it runs on this node and its command line still starts with
-    `title` (else it is gone, and the pid may be another process's now); on another node, nothing."""
+def _local_pid(process: dict) -> int | None:
+    """`process`'s pid ({"pid", "node_id"}) when it runs on this node; None otherwise."""
     import ray
 
     pid = process.get("pid")
-    if not pid or process.get("node_id") != ray.get_runtime_context().get_node_id():
-        return
+    return pid if pid and process.get("node_id") == ray.get_runtime_context().get_node_id() else None
+
+
+def _is_process(pid: int, title: bytes) -> bool:
+    """Whether `pid` is alive and its command line still starts with `title` (else it is gone, and the pid
+    may be another process's now)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(title):
-                return
+            return f.read().startswith(title)
+    except OSError:
+        return False
+
+
+def _kill_process(process: dict, title: bytes) -> None:
+    """SIGKILL `process` if it runs on this node and is still the process `title` names; elsewhere, nothing."""
+    pid = _local_pid(process)
+    if pid is None or not _is_process(pid, title):
+        return
+    try:
         os.kill(pid, signal.SIGKILL)
-    except (FileNotFoundError, ProcessLookupError):
-        pass  # gone already
+    except ProcessLookupError:
+        pass  # gone meanwhile
     except OSError as e:
         logger.warning("could not end process %d: %s", pid, e)
 
@@ -585,10 +582,8 @@ async def _fence(process: dict, grace_s: float) -> None:
     NOTE: a SIGKILL straight into a SIGSTOPped serve process (a Ray driver) killed the new lead itself half
     a second later, or left it unable to start the replacement replica (Ray 2.60, reproduced every time);
     a driver that exits by itself, or is killed while running, does not."""
-    import ray
-
-    pid = process.get("pid")
-    if not pid or process.get("node_id") != ray.get_runtime_context().get_node_id():
+    pid = _local_pid(process)
+    if pid is None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
@@ -596,14 +591,6 @@ async def _fence(process: dict, grace_s: float) -> None:
     while time.monotonic() < deadline and _is_process(pid, process["title"]):
         await asyncio.sleep(0.1)
     _kill_process(process, process["title"])
-
-
-def _is_process(pid: int, title: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().startswith(title)
-    except OSError:
-        return False
 
 
 def this_process() -> dict:
@@ -906,7 +893,7 @@ def stop_deployment(port: int, grace_s: float, wait_s: float = 60.0) -> str:
     import ray
 
     try:
-        mailbox = ray.get_actor(mailbox_name(port), namespace=MAILBOX_NAMESPACE)
+        mailbox = named(mailbox_name(port))
     except ValueError as e:
         raise ServeError(f"no pdserve deployment with router replicas serves port {port} in this Ray cluster "
                          "(a lone router stops with SIGTERM or Ctrl-C to its `pdserve serve` process)") from e

@@ -137,6 +137,11 @@ class ServeConfig:
                 raise ValueError(f"--http-port {self.http_port} is also --port or --metrics-port; give it its own")
 
     @property
+    def needs_rendezvous(self) -> bool:
+        """Whether the workers' KV links meet at a rendezvous store (torch.distributed between pools)."""
+        return not self.colocated_workers and self.kv_transport == "torch"
+
+    @property
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers + self.colocated_workers
 
@@ -175,6 +180,22 @@ class ServeConfig:
                          self.prefill_resources),
                 PoolSpec(PoolKind.DECODE, self.decode_workers,
                          self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
+
+
+def kv_transfer_config(config: ServeConfig, store: tuple[str, int] | None):
+    """The workers' KV transfer: None for colocated pools, the Ray object store, or torch.distributed links
+    meeting at the rendezvous `store` (host, port; needed when `config.needs_rendezvous`)."""
+    from kv_transfer import KVTransferConfig
+
+    if config.colocated_workers:
+        return None
+    if not config.needs_rendezvous:
+        return KVTransferConfig(kv_transport=config.kv_transport)
+    host, port = store
+    # NOTE: a fresh secret per deployment, handed to the workers inside this config (through Ray, over the
+    # cluster network the threat model trusts): every link request in the store must carry its MAC
+    return KVTransferConfig(kv_transport="torch", rendezvous_host=host, rendezvous_port=port,
+                            secret=secrets.token_hex(32))
 
 
 class ServeError(RuntimeError):
@@ -384,19 +405,15 @@ class Server:
         await self.stop()
 
     def _kv_config(self):
-        from kv_transfer import KVTransferConfig, RendezvousServer
+        """One router: the rendezvous store (if any) lives in this process."""
+        store = None
+        if self.config.needs_rendezvous:
+            from kv_transfer import RendezvousServer
 
-        if self.config.colocated_workers:
-            return None
-        if self.config.kv_transport == "ray":
-            return KVTransferConfig(kv_transport="ray")
-        # NOTE: the store must be reachable from every worker's node: bind it to this node's Ray address.
-        _, host = node_identity()
-        self.rendezvous = RendezvousServer(host, 0)
-        # NOTE: a fresh secret per deployment, handed to the workers inside this config (through Ray, over the
-        # cluster network the threat model trusts): every link request in the store must carry its MAC
-        return KVTransferConfig(kv_transport="torch", rendezvous_host=host, rendezvous_port=self.rendezvous.port,
-                                secret=secrets.token_hex(32))
+            # NOTE: the store must be reachable from every worker's node: bind it to this node's Ray address.
+            self.rendezvous = RendezvousServer(node_identity()[1], 0)
+            store = (self.rendezvous.host, self.rendezvous.port)
+        return kv_transfer_config(self.config, store)
 
     async def stop(self) -> None:
         """Stop serving; the lead also stops every worker and replica. A lead another replica replaced

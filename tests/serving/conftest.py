@@ -87,6 +87,20 @@ def token_ids(responses: list[pb.GenerateResponse]) -> list[int]:
     return [t for r in responses for t in r.token_ids]
 
 
+def collect_stream(stub, request: pb.GenerateRequest, streaming: threading.Barrier) -> list[int] | grpc.StatusCode:
+    """One stream's tokens, or the status it ended with; waits at `streaming` once three messages are in (so
+    a test can interrupt several streams that are all under way)."""
+    got: list[int] = []
+    try:
+        for k, res in enumerate(stub.Generate(request, timeout=300)):
+            got += res.token_ids
+            if k == 2:
+                streaming.wait(60)
+        return got
+    except grpc.RpcError as e:
+        return e.code()
+
+
 @pytest.fixture(scope="module")
 def ray_session(ray_cluster):
     return ray_cluster

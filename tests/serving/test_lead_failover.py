@@ -31,7 +31,7 @@ from engine import LLM, SamplingParams
 from protos.pdserve.v1 import admin_pb2 as admin
 from protos.pdserve.v1 import admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.serving.conftest import greedy_request, token_ids
+from tests.serving.conftest import collect_stream, greedy_request, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -168,16 +168,8 @@ def _stream_through_both(address: str, metrics: int, interrupt) -> dict[int, obj
     streaming = threading.Barrier(3)
 
     def stream(index: int) -> None:
-        got: list[int] = []
-        try:
-            for k, res in enumerate(pb_grpc.GenerationStub(channels[index]).Generate(
-                    greedy_request(PROMPT, TOKENS, ignore_eos=True), timeout=300)):
-                got += res.token_ids
-                if k == 2:
-                    streaming.wait(60)
-            results[index] = got
-        except grpc.RpcError as e:
-            results[index] = e.code()
+        results[index] = collect_stream(pb_grpc.GenerationStub(channels[index]),
+                                        greedy_request(PROMPT, TOKENS, ignore_eos=True), streaming)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in (0, 1)]
     for t in threads:

@@ -24,7 +24,7 @@ from protos.pdserve.v1 import admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.server import ServeConfig, ServeError, Server
-from tests.serving.conftest import greedy_request, running_server, token_ids
+from tests.serving.conftest import collect_stream, greedy_request, running_server, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -162,17 +162,8 @@ def test_killing_a_replica_ends_only_its_streams_and_it_is_replaced(server, chan
     started = threading.Barrier(5)
 
     def stream(replica: str, n: int) -> None:
-        prompt = PROMPTS[n]
-        got: list[int] = []
-        try:
-            for k, res in enumerate(channels[replica][n % 2].Generate(
-                    greedy_request(prompt, 200, ignore_eos=True), timeout=300)):
-                got += res.token_ids
-                if k == 2:
-                    started.wait(60)
-            results[replica, n] = got
-        except grpc.RpcError as e:
-            results[replica, n] = e.code()
+        results[replica, n] = collect_stream(channels[replica][n % 2],
+                                             greedy_request(PROMPTS[n], 200, ignore_eos=True), started)
 
     threads = [threading.Thread(target=stream, args=(r, n)) for r in ("0", "1") for n in (0, 1)]
     for t in threads:
@@ -216,16 +207,8 @@ def test_a_stalled_replica_is_killed_and_replaced_and_the_lead_serves_on(server,
     started = threading.Barrier(3)
 
     def stream(replica: str) -> None:
-        got: list[int] = []
-        try:
-            for k, res in enumerate(channels[replica][0].Generate(
-                    greedy_request(PROMPTS[0], 200, ignore_eos=True), timeout=300)):
-                got += res.token_ids
-                if k == 2:
-                    started.wait(60)
-            results[replica] = got
-        except grpc.RpcError as e:
-            results[replica] = e.code()
+        results[replica] = collect_stream(channels[replica][0], greedy_request(PROMPTS[0], 200, ignore_eos=True),
+                                          started)
 
     threads = [threading.Thread(target=stream, args=(r,)) for r in ("0", "1")]
     for t in threads:
