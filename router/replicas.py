@@ -29,7 +29,8 @@ The lead may die too. The workers, the replicas, the mailbox and the KV rendezvo
 actors, so they outlive it; the lead beats in the mailbox, and when it has been silent for --worker-timeout
 the first replica to claim the lead takes the pools over (`FollowerServer._take_over`): it fences the old
 lead, frees what its requests held, manages the pools and the Admin API from then on, and starts a replica
-in its place. `pdserve stop` (`stop_deployment`) stops such a deployment, whichever replica leads it.
+in its place. `pdserve stop` (`stop_deployment`) stops such a deployment, whichever replica leads it. A dead
+mailbox is recreated by the lead; a dead rendezvous store is restarted by Ray at its address.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,15 +200,27 @@ class AdminMailbox:
 
 class RendezvousHost:
     """A Ray actor holding the KV transfer's rendezvous store (`kv_transfer.RendezvousServer`) on its node's
-    cluster address, so that the store outlives the lead (the workers' receivers listen on it)."""
+    cluster address, so that the store outlives the lead (the workers' receivers listen on it).
 
-    def __init__(self) -> None:
+    NOTE: it binds a port chosen before it was created, and Ray restarts it on its node when its process
+    dies: the store is back at the same address, where the workers' receivers reconnect by themselves
+    (`TorchKVReceiver._listen`) and senders connect per link. Links already made never needed it. What the
+    store held dies with it: link requests not yet popped (their senders time out and the link is retried)."""
+
+    def __init__(self, port: int) -> None:
         from kv_transfer import RendezvousServer
 
-        self.server = RendezvousServer(node_identity()[1], 0)
+        self.server = RendezvousServer(node_identity()[1], port)
 
     def address(self) -> tuple[str, int]:
         return self.server.host, self.server.port
+
+
+def _free_port(host: str) -> int:
+    """A port nothing listens on at `host` now (the store binds it, and binds it again when restarted)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -315,7 +329,7 @@ async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared
     if config.needs_rendezvous:
         host = ray.remote(RendezvousHost).options(
             name=shared.name("rendezvous"), namespace=MAILBOX_NAMESPACE, num_cpus=0, lifetime="detached",
-            scheduling_strategy=_this_node()).remote()
+            max_restarts=-1, scheduling_strategy=_this_node()).remote(_free_port(node_identity()[1]))
         store = await host.address.remote()
     return dataclasses.replace(shared, kv_config=kv_transfer_config(config, store))
 

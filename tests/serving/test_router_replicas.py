@@ -2,7 +2,7 @@
 serve the shared port; output equals the engine's; a prefix cached through one replica is hit through the
 other; 200 concurrent requests across replicas leave the decode worker's blocks consistent; killing a
 replica ends only its own streams, the other keeps serving, and the replica is replaced; so is a stalled
-(SIGSTOPped) one."""
+(SIGSTOPped) one; a killed KV rendezvous store comes back where the workers find it."""
 
 from __future__ import annotations
 
@@ -56,12 +56,16 @@ def _connect(server) -> grpc.Channel:
     return grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
+def _metrics_pages(server) -> list[str]:
+    """Every replica's /metrics page (each replica serves its own port)."""
+    ports = [server.server.metrics_port] + [r["metrics_port"] for r in server.server.replicas.describe()]
+    return [urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode() for port in ports]
+
+
 def _requests_served(server) -> dict[str, float]:
     """pdserve_requests_total per replica, scraped from each replica's /metrics (by its `router` label)."""
-    ports = [server.server.metrics_port] + [r["metrics_port"] for r in server.server.replicas.describe()]
     served: dict[str, float] = {}
-    for port in ports:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for text in _metrics_pages(server):
         for line in text.splitlines():
             if line.startswith("pdserve_requests_total{"):
                 router = line.split('router="')[1].split('"')[0]
@@ -277,6 +281,58 @@ def test_a_second_deployment_with_replicas_on_the_same_port_is_refused_before_bi
     with pytest.raises(ServeError, match="another pdserve deployment with router replicas serves port"):
         asyncio.run(second.start())
     assert second.grpc is None  # refused before it bound anything
+
+
+def test_a_killed_rendezvous_store_comes_back_and_a_new_worker_links_through_it(server, references):
+    """The KV rendezvous store is an actor of its own (it outlives the lead): SIGKILL its process and Ray
+    restarts it at the same address; a decode worker killed afterwards is replaced, and the replacement's
+    new links to the prefill workers meet there: its requests' KV is transferred, none fails."""
+    import ray
+
+    store = ray.get_actor(f"routers-{server.server.port}/rendezvous", namespace="pdserve")
+    address = _ray_get(store.address.remote())
+    (pid,) = _processes(b"ray::RendezvousHost")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while (restarted := _processes(b"ray::RendezvousHost")) in (set(), {pid}):
+        assert time.monotonic() < deadline, "the rendezvous store was not restarted"
+        time.sleep(0.2)
+    assert _ray_get(store.address.remote()) == address
+
+    with _connect(server) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        (decode,) = [w for w in stub.ListWorkers(admin.ListWorkersRequest(), timeout=30).workers
+                     if w.worker_id.startswith("decode")]
+        os.kill(decode.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not (new := [w.worker_id for w in stub.ListWorkers(admin.ListWorkersRequest(), timeout=30).workers
+                           if w.worker_id.startswith("decode") and w.worker_id != decode.worker_id]):
+            assert time.monotonic() < deadline, "the killed decode worker was not replaced"
+            time.sleep(0.5)
+    for prompt in PROMPTS:
+        with _connect(server) as channel:
+            assert token_ids(list(pb_grpc.GenerationStub(channel).Generate(
+                greedy_request(prompt, TOKENS, ignore_eos=True), timeout=120))) == references[prompt]
+    moved = _scraped(server, "pdserve_kv_transfer_bytes_total", f'dst="{new[0]}"')
+    failed = _scraped(server, "pdserve_kv_transfer_failures_total", f'dst="{new[0]}"')
+    assert moved > 0 and failed == 0, (moved, failed)
+    assert _processes(b"ray::RendezvousHost") == restarted
+
+
+def _processes(title: bytes) -> set[int]:
+    """Pids of this machine's processes whose Ray title starts with `title`."""
+    pids = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
+            if f.read().startswith(title):
+                pids.add(int(entry))
+    return pids
+
+
+def _scraped(server, metric: str, label: str) -> float:
+    """The sum of `metric`'s series carrying `label`, over every replica's /metrics."""
+    return sum(float(line.rsplit(" ", 1)[1]) for text in _metrics_pages(server) for line in text.splitlines()
+               if line.startswith(metric + "{") and label in line)
 
 
 def _ray_get(ref):
