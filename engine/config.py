@@ -148,13 +148,16 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # the order prompts take what the step's budget leaves after decoding rows: "fifo" (arrival, a prompt
     # keeps the budget until it is done), or "fair": the fewest uncomputed tokens first, each prompt's count
-    # lowered by `prefill_aging_tokens_per_s` for every second it has waited (so nothing starves), the
-    # longest chunked to what is left -- a short prompt waits at most one step behind a long one
+    # lowered by `prefill_aging_tokens_per_step` for every step it has waited (so nothing starves), the
+    # longest chunked to what is left -- a short prompt waits at most one step behind a long one. Aging counts
+    # steps, not seconds, so the same setting means the same on a CPU (steps of a second) and a GPU (steps of
+    # milliseconds).
     prefill_order: str = "fifo"
-    prefill_aging_tokens_per_s: float = 2048.0
-    # fair order: the most tokens one prompt computes per step (0: the whole budget). NOTE: a step cannot be
-    # interrupted, so this bounds how long a prompt that just arrived waits for the step in progress; a
-    # prompt's chunks stay large enough to be compute-bound, and several prompts share a step.
+    prefill_aging_tokens_per_step: int = 64
+    # fair order: the most prompt tokens one step computes, all prompts together (0: the whole budget).
+    # NOTE: a step cannot be interrupted, so this bounds how long a prompt that just arrived waits for the
+    # step in progress, however many long prompts are queued (a per-prompt cap would not: four long prompts'
+    # chunks fill a 2,048-token step). Keep it large enough for a step to stay compute-bound.
     prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -162,9 +165,9 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.prefill_order must be 'fifo' or 'fair', got {self.prefill_order!r}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"SchedulerConfig.prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
-        if self.prefill_aging_tokens_per_s < 0:
-            raise ValueError("SchedulerConfig.prefill_aging_tokens_per_s must be >= 0, "
-                             f"got {self.prefill_aging_tokens_per_s}")
+        if self.prefill_aging_tokens_per_step < 0:
+            raise ValueError("SchedulerConfig.prefill_aging_tokens_per_step must be >= 0, "
+                             f"got {self.prefill_aging_tokens_per_step}")
         if self.max_num_seqs < 1:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

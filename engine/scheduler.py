@@ -3,8 +3,11 @@
 Each step, running sequences are served first (one token per decoding sequence, the next chunk for a prompt
 still prefilling), then waiting sequences are admitted FIFO while the budget, the sequence limit and the
 free blocks allow. With `prefill_order="fair"`, decoding sequences still come first, but every prompt
-(prefilling or waiting) then takes the budget in order of its uncomputed tokens, lowered by how long it has
-waited: a short prompt is not stuck behind a long one, and the long one takes what is left of each step. A new sequence first takes whatever prefix of its prompt the prefix cache holds. When a
+(prefilling or waiting) then takes the budget in order of its uncomputed tokens, lowered by how many steps
+it has waited: a short prompt is not stuck behind a long one, and the long one takes what is left of each
+step. All prompts together compute at most `prefill_chunk_tokens` per step, which bounds a new prompt's wait
+for the step in progress (Sarathi-Serve's token budget). A new sequence first takes whatever prefix of its
+prompt the prefix cache holds. When a
 running sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it is recomputed from scratch later (vLLM's recompute preemption).
 
@@ -16,7 +19,6 @@ plainly this step rather than preempting anyone.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -74,6 +76,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.paused: dict[str, Request] = {}  # running sequences held out of the batch (a slow reader)
         self._num_committed: dict[str, int] = {}  # request id -> blocks registered in the prefix cache
+        self._step = 0  # schedule() calls so far: the clock fair order ages prompts by
+        self._arrival_step: dict[str, int] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -82,6 +86,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
+        self._arrival_step[request.request_id] = self._step
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -108,6 +113,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._step += 1
         budget = self.config.max_num_batched_tokens
         fair = self.config.prefill_order == "fair"
         draft_share = self._draft_share()
@@ -153,12 +159,13 @@ class Scheduler:
         return out
 
     def _schedule_prompts_fairly(self, out: SchedulerOutput, budget: int) -> None:
-        """Prompts, prefilling and waiting alike, by uncomputed tokens less their aging credit."""
-        now, rate = time.monotonic(), self.config.prefill_aging_tokens_per_s
-        cap = self.config.prefill_chunk_tokens or budget
+        """Prompts, prefilling and waiting alike, by uncomputed tokens less their aging credit, together at
+        most `prefill_chunk_tokens` this step."""
+        budget = min(budget, self.config.prefill_chunk_tokens or budget)
+        rate = self.config.prefill_aging_tokens_per_step
 
         def key(r: Request) -> float:
-            return (r.num_tokens - r.num_computed_tokens) - rate * (now - r.arrival_time)
+            return (r.num_tokens - r.num_computed_tokens) - rate * (self._step - self._arrival_step.get(r.request_id, self._step))
 
         prompts = sorted([r for r in self.running if r.status == RequestStatus.PREFILLING] + list(self.waiting),
                          key=key)
@@ -167,7 +174,7 @@ class Scheduler:
                 return
             if req.is_finished or req.status not in (RequestStatus.PREFILLING, RequestStatus.WAITING):
                 continue  # preempted (or ended) as a victim earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.status == RequestStatus.PREFILLING:
                 if not self._grow_or_preempt(req, req.num_computed_tokens + n, out):
                     continue  # no room this step: it waits, holding what it has
@@ -176,11 +183,11 @@ class Scheduler:
                     continue
                 if self._end_if_too_large(req, out):
                     continue
-                if not self._admit(req, min(budget, cap)):
+                if not self._admit(req, budget):
                     continue
                 self.waiting.remove(req)
                 self.running.append(req)
-                n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
 
@@ -299,6 +306,7 @@ class Scheduler:
         self.paused.pop(req.request_id, None)
         self._release(req)
         self.requests.pop(req.request_id, None)
+        self._arrival_step.pop(req.request_id, None)
 
     # -- speculation ------------------------------------------------------------------------------------
 

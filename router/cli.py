@@ -71,8 +71,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the order prompts share each engine step: fair (fewest uncomputed tokens first, aged so "
                         "none starves: a short prompt is not stuck behind a long one) or fifo (arrival)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=512,
-                   help="fair order: the most tokens one prompt computes per engine step (0: the whole step "
-                        "budget); bounds how long a new prompt waits for the step in progress")
+                   help="fair order: the most prompt tokens one engine step computes, all prompts together (0: "
+                        "the whole step budget); bounds how long a new prompt waits for the step in progress")
     p.add_argument("--routers", type=int, default=1,
                    help="router replicas over the same pools, sharing --port and --http-port (SO_REUSEPORT): "
                         "this process is the lead, the others run as Ray actors; each relays its own "

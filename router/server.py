@@ -61,7 +61,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 512  # decode/colocated step budget
     prefill_max_num_batched_tokens: int = 2048  # prefill pool: no decode rows to protect, bigger chunks
     prefill_order: str = "fair"  # prompts by fewest uncomputed tokens, aged ("fifo": by arrival)
-    prefill_chunk_tokens: int = 512  # fair order: the most one prompt computes per step (0: the whole budget)
+    prefill_chunk_tokens: int = 512  # fair order: the most prompt tokens a step computes, all together (0: budget)
     max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
     admission_timeout_s: float = 60.0  # a request waits this long for KV room or a live worker
     max_queued_prefill_tokens: int = 65536  # per prefill worker, before RESOURCE_EXHAUSTED

@@ -184,16 +184,21 @@ def test_fair_order_ages_a_long_prompt_ahead_of_newer_short_ones():
     out = engine.scheduler.schedule()
     assert [c.request for c in out.chunks] == shorts + [long]  # fewest tokens first; the long takes the rest
     engine.scheduler.update(out, [[t] for t in engine.runner.execute(out).argmax(-1).tolist()])
-    # 272 tokens left, 2,048 tokens of credit per second: after a second of waiting it outranks a new short
-    # prompt, and takes the whole step
-    long.arrival_time -= 1.0
+    # 272 tokens left, 64 tokens of credit per step waited: a short prompt that arrived just now still goes
+    # first, but after 5 steps of waiting (320 tokens of credit) the long one outranks a new short prompt and
+    # takes the whole step
     newer = engine.add_request(PROMPT[20:32], greedy(1, ignore_eos=True))
     out = engine.scheduler.schedule()
+    assert [c.request for c in out.chunks] == [newer, long]
+    engine.scheduler.update(out, [[t] for t in engine.runner.execute(out).argmax(-1).tolist()])
+    engine.scheduler._step += 3  # three steps pass (as they would on a busy worker's decode rows)
+    last = engine.add_request(PROMPT[30:42], greedy(1, ignore_eos=True))
+    out = engine.scheduler.schedule()
     assert [(c.request, c.num_tokens) for c in out.chunks] == [(long, 64)]
-    assert newer in engine.scheduler.waiting
+    assert last in engine.scheduler.waiting
 
 
-def test_fair_order_caps_one_prompts_chunk_so_a_step_stays_short():
+def test_fair_order_caps_a_steps_prompt_tokens_so_a_step_stays_short():
     engine = LLMEngine(EngineConfig(model="tiny-random", device="cpu", dtype="float32",
                                     cache=CacheConfig(block_size=16, num_blocks=256),
                                     scheduler=SchedulerConfig(64, 256, prefill_order="fair", prefill_chunk_tokens=64)))
@@ -201,7 +206,13 @@ def test_fair_order_caps_one_prompts_chunk_so_a_step_stays_short():
     assert [c.num_tokens for c in engine.step()[0].chunks] == [64]  # alone, it still takes only its cap
     shorts = [engine.add_request(PROMPT[i:i + 30], greedy(2, ignore_eos=True)) for i in range(2)]
     out, _ = engine.step()
-    assert [(c.request, c.num_tokens) for c in out.chunks] == [(shorts[0], 30), (shorts[1], 30), (long, 64)]
+    # all prompts together take at most the cap: the short ones first, the long one what is left
+    assert [(c.request, c.num_tokens) for c in out.chunks] == [(shorts[0], 30), (shorts[1], 30), (long, 4)]
+    second = engine.add_request(LONG[::-1], greedy(2, ignore_eos=True))
+    out, _ = engine.step()
+    prompts = [(c.request, c.num_tokens) for c in out.chunks if c.request not in shorts]  # (shorts: decoding)
+    assert prompts == [(long, 64)]  # two long prompts: still 64 in all, the one with fewer left first
+    assert second in engine.scheduler.waiting
     while engine.has_unfinished_requests():
         engine.step()
     assert long.output_token_ids == _alone(LONG, 2)
