@@ -73,6 +73,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk-tokens", type=int, default=512,
                    help="fair order: the most prompt tokens one engine step computes, all prompts together (0: "
                         "the whole step budget); bounds how long a new prompt waits for the step in progress")
+    p.add_argument("--decode-prefill-chunk-tokens", type=int, default=64,
+                   help="the same on decode workers, for prompts they prefill themselves (--local-prefill): "
+                        "small, so a local prefill stalls the worker's streams by about one decode step at a "
+                        "time (0: the whole step budget)")
     p.add_argument("--routers", type=int, default=1,
                    help="router replicas over the same pools, sharing --port and --http-port (SO_REUSEPORT): "
                         "this process is the lead, the others run as Ray actors; each relays its own "
@@ -156,7 +160,7 @@ def serve_config(args: argparse.Namespace):
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens, decode_prefill_chunk_tokens=args.decode_prefill_chunk_tokens,
         routers_spread=args.routers_spread)
 
 

@@ -159,20 +159,23 @@ class PathChoice(NamedTuple):
 
 def choose_path(hashes: Sequence[BlockHash], num_prompt_tokens: int, block_size: int,
                 prefills: Sequence[WorkerLoad], decodes: Sequence[WorkerLoad], index: PrefixIndex,
-                cost: CostModel, blocks_needed: int, local: bool = True) -> list[PathChoice]:
+                cost: CostModel, blocks_needed: int, local: bool = True,
+                local_chunk_tokens: int = 0) -> list[PathChoice]:
     """Every feasible placement of a prompt, cheapest first, by the cost model's estimate of the time until
     it decodes:
 
         remote (P, D): prefill on P (its queue + the prompt tokens P has not cached)
                        + ship the KV D has not cached over the P -> D link (measured per pair)
                        + one decode step of D
-        local (D):     prefill on D itself (its queue + the tokens D has not cached) + one decode step of D
+        local (D):     prefill on D itself (its queue + the tokens D has not cached), in chunks of at most
+                       `local_chunk_tokens` (0: one), each riding one of D's decode steps
 
-    A local prefill stalls D's running streams for as long as it computes, so it is offered only when that
-    stall is at most one of D's decode steps (a short uncached part: `CostModel.local_budget_tokens`), or
-    when the stall summed over D's running streams is less than the time it saves this request against
-    its best remote option (a prefill pool backed up behind long prompts). Both sides of that trade are
-    measured, so the threshold moves with the hardware and the load, not with a constant.
+    A local prefill stalls D's running streams for as long as each chunk computes, so it is offered only
+    when that stall is at most one of D's decode steps (a short uncached part, or D's chunk cap:
+    `CostModel.local_budget_tokens`), or when the stall summed over D's steps and running streams is less
+    than the time it saves this request against its best remote option (a prefill pool backed up behind
+    long prompts). Both sides of that trade are measured, so the threshold moves with the hardware and the
+    load, not with a constant.
 
     Only decode workers with `blocks_needed` free blocks are feasible; none: an empty list (the router
     queues the request). Ties go to the local path, then to fewer running sequences, then to worker ids.
@@ -198,9 +201,11 @@ def choose_path(hashes: Sequence[BlockHash], num_prompt_tokens: int, block_size:
                             PathChoice(Path.REMOTE, p.worker_id, d.worker_id, est, on_p)))
         if not local:
             continue
-        stall = cost.prefill_s(d.worker_id, 0, uncached_on_d)
-        est = cost.prefill_s(d.worker_id, d.queued_prefill_tokens, uncached_on_d) + admit
-        if stall <= admit or stall * max(1, d.num_running) < best_remote - est:
+        chunk = min(uncached_on_d, local_chunk_tokens or uncached_on_d)
+        steps = -(-uncached_on_d // max(1, chunk))
+        stall = cost.prefill_s(d.worker_id, 0, chunk)  # on each of D's next `steps` steps
+        est = cost.prefill_s(d.worker_id, d.queued_prefill_tokens, uncached_on_d) + steps * admit
+        if stall <= admit or stall * steps * max(1, d.num_running) < best_remote - est:
             options.append(((est, 0, d.num_running, "", d.worker_id),
                             PathChoice(Path.LOCAL, None, d.worker_id, est, on_d)))
     ranked = [choice for _, choice in sorted(options, key=lambda o: o[0])]

@@ -128,6 +128,7 @@ class RouterConfig:
     # joint placement may prefill a prompt on its decode worker when that is cheaper (off by default: it trades
     # the decode worker's streams' ITL for the request's TTFT, which the operator must choose to do)
     local_prefill: bool = False
+    local_chunk_tokens: int = 0  # the most prompt tokens a decode worker's step computes (0: no cap)
     kv_move_timeout_s: float = 60.0  # a drain's KV move (reserve, push every layer, start) must end in this
     # compare a SHA-256 of every moved sequence's KV at the source and the destination before decoding on
     # (a full read of its KV on both: a debugging and proof aid, off in production)
@@ -590,7 +591,8 @@ class Router:
             open_ = [ld for ld in (w.snapshot() for w in prefills)
                      if ld.queued_prefill_tokens == 0 or ld.queued_prefill_tokens + n <= limit]
             options = choose_path(hashes, n, bs, open_, [w.snapshot() for w in decoders], self.index, self.cost,
-                                  need, local=self.config.local_prefill)
+                                  need, local=self.config.local_prefill,
+                                  local_chunk_tokens=self.config.local_chunk_tokens)
             if not open_ and not options:
                 raise RouterError("RESOURCE_EXHAUSTED", f"every prefill worker has more than {limit} prompt "
                                   "tokens queued (--max-queued-prefill-tokens); retry later")

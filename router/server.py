@@ -62,6 +62,9 @@ class ServeConfig:
     prefill_max_num_batched_tokens: int = 2048  # prefill pool: no decode rows to protect, bigger chunks
     prefill_order: str = "fair"  # prompts by fewest uncomputed tokens, aged ("fifo": by arrival)
     prefill_chunk_tokens: int = 512  # fair order: the most prompt tokens a step computes, all together (0: budget)
+    # the same on decode workers (local prefills): small, so a prompt computed there stalls its streams by
+    # about one decode step at a time, not by the whole prompt at once (Sarathi-Serve's stall-free batching)
+    decode_prefill_chunk_tokens: int = 64
     max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
     admission_timeout_s: float = 60.0  # a request waits this long for KV room or a live worker
     max_queued_prefill_tokens: int = 65536  # per prefill worker, before RESOURCE_EXHAUSTED
@@ -114,6 +117,9 @@ class ServeConfig:
                              f"{self.max_draft_tokens_per_step}")
         if self.prefill_order not in ("fair", "fifo"):
             raise ValueError(f"--prefill-order must be fair or fifo, got {self.prefill_order!r}")
+        if self.decode_prefill_chunk_tokens < 0:
+            raise ValueError("--decode-prefill-chunk-tokens must be >= 0 (0: the whole step budget), got "
+                             f"{self.decode_prefill_chunk_tokens}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"--prefill-chunk-tokens must be >= 0 (0: the whole step budget), got "
                              f"{self.prefill_chunk_tokens}")
@@ -145,8 +151,9 @@ class ServeConfig:
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers + self.colocated_workers
 
-    def engine_config(self, budget: int, decodes: bool = True) -> EngineConfig:
-        """A worker's engine; `decodes`: it runs decode steps (so speculation applies to it)."""
+    def engine_config(self, budget: int, decodes: bool = True, chunk: int | None = None) -> EngineConfig:
+        """A worker's engine; `decodes`: it runs decode steps (so speculation applies to it); `chunk`: its
+        prompt tokens per step (default --prefill-chunk-tokens)."""
         threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
         spec = (SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.max_draft_tokens_per_step)
                 if decodes else SpeculativeConfig())
@@ -154,7 +161,8 @@ class ServeConfig:
                             max_model_len=self.max_model_len, num_threads=threads,
                             cache=CacheConfig(self.block_size, self.num_blocks),
                             scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order,
-                                                      prefill_chunk_tokens=self.prefill_chunk_tokens),
+                                                      prefill_chunk_tokens=self.prefill_chunk_tokens
+                                                      if chunk is None else chunk),
                             speculative=spec)
 
     def tls(self) -> TLSConfig | None:
@@ -169,7 +177,8 @@ class ServeConfig:
         return RouterConfig(self.block_size, self.routing, self.max_queue, self.admission_timeout_s,
                             self.max_queued_prefill_tokens, self.migration_limit,
                             call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves,
-                            placement=self.placement, local_prefill=self.local_prefill, router_id=router_id)
+                            placement=self.placement, local_prefill=self.local_prefill, router_id=router_id,
+                            local_chunk_tokens=self.decode_prefill_chunk_tokens)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:
@@ -179,7 +188,8 @@ class ServeConfig:
                          self.engine_config(self.prefill_max_num_batched_tokens, decodes=False),
                          self.prefill_resources),
                 PoolSpec(PoolKind.DECODE, self.decode_workers,
-                         self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
+                         self.engine_config(self.max_num_batched_tokens, chunk=self.decode_prefill_chunk_tokens),
+                         self.decode_resources)]
 
 
 def kv_transfer_config(config: ServeConfig, store: tuple[str, int] | None):

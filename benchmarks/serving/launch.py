@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin|separate|local))?"
-                   r"(?::(?P<order>fair|fifo))?$")
+                   r"(?::(?P<order>fair|fifo))?(?::chunk(?P<chunk>\d+))?(?::dchunk(?P<dchunk>\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class Layout:
     # with local prefill on decode workers: conditional disaggregation)
     routing: str = "prefix"
     prefill_order: str = "fair"  # the workers' prompt order ("fifo": arrival, the earlier default)
+    prefill_chunk_tokens: int | None = None  # the prefill workers' prompt tokens per step (None: the default)
+    decode_prefill_chunk_tokens: int | None = None  # the decode workers' (None: the default)
 
     @classmethod
     def parse(cls, spec: str) -> Layout:
@@ -42,11 +44,14 @@ class Layout:
         if m is None:
             raise ValueError(f"layout {spec!r}: expected NpMd (N prefill + M decode workers) or Nc (N colocated "
                              "workers), optionally followed by :prefix, :round-robin, :separate or :local, "
-                             "then optionally :fifo or :fair (the prompt order), e.g. 2p1d:round-robin, 2p1d:fifo")
+                             "then optionally :fifo or :fair (the prompt order), then optionally :chunkN and "
+                             ":dchunkN (the prefill and decode workers' prompt tokens per step), e.g. "
+                             "2p1d:round-robin, 2p1d:fifo, 2p1d:chunk256, 2p1d:local:dchunk0")
         routing, order = m["routing"] or "prefix", m["order"] or "fair"
+        chunk, dchunk = (int(m[k]) if m[k] is not None else None for k in ("chunk", "dchunk"))
         if m["c"] is not None:
-            return cls(0, 0, int(m["c"]), routing, order)
-        return cls(int(m["p"]), int(m["d"]), 0, routing, order)
+            return cls(0, 0, int(m["c"]), routing, order, chunk, dchunk)
+        return cls(int(m["p"]), int(m["d"]), 0, routing, order, chunk, dchunk)
 
     @property
     def num_workers(self) -> int:
@@ -57,7 +62,9 @@ class Layout:
         shape = (f"{self.colocated_workers}c" if self.colocated_workers
                  else f"{self.prefill_workers}p{self.decode_workers}d")
         label = shape if self.routing == "prefix" else f"{shape}:{self.routing}"
-        return label if self.prefill_order == "fair" else f"{label}:{self.prefill_order}"
+        label = label if self.prefill_order == "fair" else f"{label}:{self.prefill_order}"
+        label = label if self.prefill_chunk_tokens is None else f"{label}:chunk{self.prefill_chunk_tokens}"
+        return label if self.decode_prefill_chunk_tokens is None else f"{label}:dchunk{self.decode_prefill_chunk_tokens}"
 
     @property
     def description(self) -> str:
@@ -66,6 +73,9 @@ class Layout:
         else:
             what = f"{self.prefill_workers} prefill + {self.decode_workers} decode workers"
         order = "" if self.prefill_order == "fair" else ", prompts in arrival order"
+        for who, n in (("prefill", self.prefill_chunk_tokens), ("decode", self.decode_prefill_chunk_tokens)):
+            if n is not None:
+                order += f", {who} workers' prompt tokens per step: {n or 'the whole budget'}"
         if self.routing == "separate":
             return f"{what}, prefix routing, then the decode worker by node and free blocks{order}"
         if self.routing == "local":
@@ -78,6 +88,9 @@ class Layout:
         from router.server import ServeConfig
 
         routing = "prefix" if self.routing in ("separate", "local") else self.routing
+        for key in ("prefill_chunk_tokens", "decode_prefill_chunk_tokens"):
+            if getattr(self, key) is not None:
+                options = {**options, key: getattr(self, key)}
         return ServeConfig(prefill_workers=self.prefill_workers, decode_workers=self.decode_workers,
                            colocated_workers=self.colocated_workers, routing=routing,
                            placement="separate" if self.routing == "separate" else "joint",

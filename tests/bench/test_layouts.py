@@ -13,6 +13,7 @@ from benchmarks.serving.launch import Layout
     ("2p1d:fifo", "joint", False, "fifo", "2p1d:fifo"),
     ("2p1d:separate:fifo", "separate", False, "fifo", "2p1d:separate:fifo"),
     ("1p1d:local", "joint", True, "fair", "1p1d:local"),
+    ("1p1d:local:dchunk0", "joint", True, "fair", "1p1d:local:dchunk0"),
 ])
 def test_a_layout_spec_names_placement_and_prompt_order(spec, placement, local, order, label):
     layout = Layout.parse(spec)
@@ -25,3 +26,10 @@ def test_a_layout_spec_names_placement_and_prompt_order(spec, placement, local, 
 def test_a_bad_layout_spec_says_what_is_expected():
     with pytest.raises(ValueError, match=":fifo or :fair"):
         Layout.parse("2p1d:lifo")
+
+
+def test_a_layout_may_set_the_workers_prompt_tokens_per_step():
+    assert Layout.parse("2p1d:local").serve_config(model="tiny-random").decode_prefill_chunk_tokens == 64
+    assert Layout.parse("2p1d:local:fair:dchunk0").serve_config(model="tiny-random").decode_prefill_chunk_tokens == 0
+    chunked = Layout.parse("2p1d:chunk256")
+    assert (chunked.label, chunked.serve_config(model="tiny-random").prefill_chunk_tokens) == ("2p1d:chunk256", 256)

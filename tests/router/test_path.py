@@ -130,6 +130,21 @@ def test_a_backed_up_prefill_pool_sends_a_longer_prompt_local_when_the_saving_ou
     assert choose(tokens, backed_up, [decode("d0", num_running=40)], cost)[0].path is Path.REMOTE
 
 
+def test_a_chunked_local_prefill_stalls_each_step_by_at_most_one_step_and_costs_a_step_per_chunk():
+    cost = model()  # 400 tokens/s, 60 ms steps
+    tokens = prompt(200)
+    backed_up = [prefill("p0", queued_prefill_tokens=2048)]
+    busy = [decode("d0", num_running=40)]
+    # whole, the 0.5 s prefill would stall 40 streams at once: not worth it
+    assert choose(tokens, backed_up, busy, cost)[0].path is Path.REMOTE
+    # in 20-token chunks (50 ms each, under one 60 ms step) it rides 10 of the worker's steps: allowed,
+    # and its estimate counts those steps
+    best = choose(tokens, backed_up, busy, cost, local_chunk_tokens=20)[0]
+    assert best.path is Path.LOCAL and best.estimate_s == pytest.approx(200 / 400 + 10 * 0.06)
+    # on an idle prefill pool the transfer is still cheaper than ten steps
+    assert choose(tokens, [prefill("p0")], busy, cost, local_chunk_tokens=20)[0].path is Path.REMOTE
+
+
 # -- the router on each path, over fake workers ---------------------------------------------------------
 
 
