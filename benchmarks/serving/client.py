@@ -39,6 +39,7 @@ class RequestRecord:
     decode_worker: str = ""
     # the server's own TTFT breakdown (the last message's `timing`): queue, prefill, kv_transfer, first_decode
     stages: dict[str, float] = field(default_factory=dict)
+    placement: str = ""  # where the prompt was prefilled: "remote" (the prefill pool), "local" (its decode worker)
     error: str | None = None  # gRPC status, or why the client gave up on it
 
     @property
@@ -118,6 +119,7 @@ async def send_one(stub: pb_grpc.GenerationStub, spec: RequestSpec, record: Requ
                 t = msg.timing
                 record.stages = {"queue": t.queue_seconds, "prefill": t.prefill_seconds,
                                  "kv_transfer": t.kv_transfer_seconds, "first_decode": t.first_decode_step_seconds}
+                record.placement = t.placement
         if record.done_at is None:
             record.error = "stream ended without a finish_reason"
     except grpc.aio.AioRpcError as e:

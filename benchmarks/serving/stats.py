@@ -14,8 +14,9 @@ Definitions, so the numbers can be argued with:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from benchmarks.serving.client import RequestRecord, RunResult
@@ -97,6 +98,10 @@ class Summary:
     slo_attainment: float
     # medians of the server's TTFT breakdown (`Timing` on the last message): queue, prefill, kv_transfer, ...
     stages_p50: dict[str, float]
+    # completed requests by where their prompt was prefilled ("remote", "local"), and of those that hit a
+    # prefix cache; empty where the server does not say (colocated, the HTTP door)
+    placements: dict[str, int] = field(default_factory=dict)
+    cache_hit_placements: dict[str, int] = field(default_factory=dict)
 
     @property
     def cached_share(self) -> float:
@@ -127,7 +132,9 @@ def summarize(run: RunResult, slo: SLO) -> Summary:
         e2e=Percentiles.of([r.e2e for r in done]),
         output_tokens_per_s=n_out / run.duration_s, requests_per_s=len(done) / run.duration_s,
         slo_attainment=attainment(run.records, slo),
-        stages_p50={k: percentile([r.stages[k] for r in done if k in r.stages], 50) for k in STAGES})
+        stages_p50={k: percentile([r.stages[k] for r in done if k in r.stages], 50) for k in STAGES},
+        placements=dict(Counter(r.placement for r in done if r.placement)),
+        cache_hit_placements=dict(Counter(r.placement for r in done if r.placement and r.cached_prompt_tokens)))
 
 
 def ttfts(records: Sequence[RequestRecord]) -> list[float]:

@@ -153,3 +153,14 @@ def test_summary_json_has_no_nan():
     d = s.to_dict()
     assert d["ttft"]["p50"] is None and d["stages_p50"]["queue"] is None
     json.dumps(d, allow_nan=False)
+
+
+def test_the_summary_counts_where_completed_prompts_were_prefilled():
+    records = [record(i, 0.0, [(1.0, 1)], cached=cached) for i, cached in enumerate([0, 32, 32, 0])]
+    for r, where in zip(records, ["remote", "local", "local", "local"]):
+        r.placement = where
+    records.append(record(9, 0.0, [(1.0, 1)], error="UNAVAILABLE: x"))  # failed: not counted
+    records[-1].placement = "remote"
+    s = summarize(RunResult(Load(rate=1), records, duration_s=1.0), SLO(1.0, 0.1))
+    assert s.placements == {"remote": 1, "local": 3} and s.cache_hit_placements == {"local": 2}
+    assert s.to_dict()["cache_hit_placements"] == {"local": 2}
