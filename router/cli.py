@@ -70,9 +70,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-order", choices=["fair", "fifo"], default="fair",
                    help="the order prompts share each engine step: fair (fewest uncomputed tokens first, aged so "
                         "none starves: a short prompt is not stuck behind a long one) or fifo (arrival)")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=512,
+    p.add_argument("--prefill-chunk-tokens", type=int, default=256,
                    help="fair order: the most prompt tokens one engine step computes, all prompts together (0: "
-                        "the whole step budget); bounds how long a new prompt waits for the step in progress")
+                        "the whole step budget); bounds how long a new prompt waits for the step in progress. "
+                        "256 suits CPUs (steps of a fraction of a second); on GPUs raise it (1024-2048) so a "
+                        "step keeps the GPU busy")
     p.add_argument("--decode-prefill-chunk-tokens", type=int, default=64,
                    help="the same on decode workers, for prompts they prefill themselves (--local-prefill): "
                         "small, so a local prefill stalls the worker's streams by about one decode step at a "

@@ -27,6 +27,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.messages import LoadReport, WorkerInfo
+from router.background import Background
 from router.placement import PoolKind, WorkerLoad
 from router.worker_client import Failure, RayWorkerClient, WorkerClient, WorkerError
 
@@ -225,7 +226,7 @@ class PoolManager:
         self._next_index: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
         self._backoff: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
         self._retry_at: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
-        self._tasks: set[asyncio.Task] = set()
+        self._background = Background()
         self._stopping = False
 
     def live(self, kind: PoolKind | None = None) -> list[Worker]:
@@ -258,7 +259,7 @@ class PoolManager:
                            - self.pending[spec.kind])
                 if missing > 0 and now >= self._retry_at[spec.kind] and self.authority():
                     for _ in range(missing):
-                        self._spawn(self._replace(spec))
+                        self._background.spawn(self._replace(spec))
             await asyncio.sleep(self.liveness.interval_s)
 
     def adopt(self, info: WorkerInfo, client: WorkerClient, kind: PoolKind) -> Worker:
@@ -270,7 +271,7 @@ class PoolManager:
             return known
         worker = make_worker(info, client, kind)
         self.registry.add(worker)
-        self._spawn(self._watch(worker))
+        self._background.spawn(self._watch(worker))
         return worker
 
     def promote(self, launch: Launcher, targets: dict[PoolKind, int]) -> None:
@@ -288,9 +289,7 @@ class PoolManager:
 
     async def close(self) -> None:
         self._stopping = True
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.close()
 
     async def _replace(self, spec: PoolSpec) -> None:
         try:
@@ -321,7 +320,7 @@ class PoolManager:
             self.pending[spec.kind] -= 1
         worker = make_worker(info, client, spec.kind)
         self.registry.add(worker)
-        self._spawn(self._watch(worker))
+        self._background.spawn(self._watch(worker))
         return worker
 
     async def _watch(self, worker: Worker) -> None:
@@ -352,7 +351,7 @@ class PoolManager:
                 continue
             self.on_heartbeat(worker)
             if report is None or report.done():  # never more than one report in flight per worker
-                report = self._spawn(self._report(worker))
+                report = self._background.spawn(self._report(worker))
             await asyncio.sleep(cfg.interval_s)
 
     async def _report(self, worker: Worker) -> None:
@@ -365,8 +364,3 @@ class PoolManager:
         if worker.alive:
             self.on_report(worker, r)
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task

@@ -50,6 +50,7 @@ from typing import Any
 from engine.messages import WorkerInfo, node_identity
 from router.admin import PoolAdmin
 from router.admin_servicer import AdminServicer, Answer, ForwardingAdminServicer, run_forwarded
+from router.background import Background
 from router.lifecycle import Method
 from router.placement import PoolKind
 from router.pool import LivenessConfig, PoolManager, Worker, WorkerRegistry, ray_launcher
@@ -627,7 +628,7 @@ class ReplicaSet:
         self.count = count
         self.replicas: dict[int, _Replica] = {}
         self.mailbox: Any = lead.shared.mailbox() if lead.shared is not None else None
-        self._tasks: set[asyncio.Task] = set()
+        self._background = Background()
         self._stopping = False
         self._confirmed = time.monotonic()  # when the mailbox last answered that this is the lead
         self.replaced = 0  # replicas replaced after they died
@@ -642,7 +643,7 @@ class ReplicaSet:
 
     async def start(self) -> None:
         """The serve process: start the other replicas (indexes 1..count)."""
-        self._spawn(self._beat())
+        self._background.spawn(self._beat())
         self.lead.registry.on_added.append(self._tell_added)
         self.lead.registry.on_lost.append(self._tell_lost)
         started = await asyncio.gather(*(self._start_one(i) for i in range(1, self.count + 1)),
@@ -650,7 +651,7 @@ class ReplicaSet:
         failed = [e for e in started if isinstance(e, BaseException)]
         if failed:
             raise failed[0]
-        self._spawn(self._serve_admin())
+        self._background.spawn(self._serve_admin())
 
     async def take_over(self, claim: dict) -> None:
         """A replica that took the pools over (see `FollowerServer._take_over`): fence the old lead, adopt
@@ -668,7 +669,7 @@ class ReplicaSet:
             try:
                 actor = named(shared.name(f"router-{router_id}"))
             except ValueError:  # gone: start another in its place
-                self._spawn(self._start_with_retries(index))
+                self._background.spawn(self._start_with_retries(index))
                 continue
             self.replicas[index] = _Replica(index, router_id, actor, started=True)
         known = set(self.lead.registry.workers)
@@ -677,15 +678,15 @@ class ReplicaSet:
                 logger.info("killing worker %s, which the old lead started and this replica never heard of",
                             worker_id)
                 _kill_named(shared.name(worker_id))
-        self._spawn(self._beat())
+        self._background.spawn(self._beat())
         self.lead.registry.on_added.append(self._tell_added)
         self.lead.registry.on_lost.append(self._tell_lost)
-        self._spawn(self._serve_admin())
+        self._background.spawn(self._serve_admin())
         for rep in list(self.replicas.values()):
             with contextlib.suppress(Exception):  # one that does not answer is replaced by `_watch`
                 rep.info = await asyncio.wait_for(rep.actor.describe_process.remote(), self._timeout())
-            self._spawn(self._watch(rep))
-        self._spawn(self._start_with_retries(claim["old_index"]))
+            self._background.spawn(self._watch(rep))
+        self._background.spawn(self._start_with_retries(claim["old_index"]))
         freed = await asyncio.gather(*(self._release(w, claim["old_router_id"]) for w in self.lead.registry.live()))
         logger.info("freed %d attempt(s) of the old lead on the workers", sum(freed))
 
@@ -725,7 +726,7 @@ class ReplicaSet:
             raise
         rep.started = True
         log(f"router replica {index} ({router_id}) serving on port {rep.info['port']} (pid {rep.info['pid']})")
-        self._spawn(self._watch(rep))
+        self._background.spawn(self._watch(rep))
         return rep
 
     async def _beat(self) -> None:
@@ -770,7 +771,7 @@ class ReplicaSet:
             lead.use_mailbox()
         await asyncio.gather(*(r.actor.use_mailbox.remote() for r in self.replicas.values() if r.started),
                              return_exceptions=True)
-        self._spawn(self._serve_admin())  # the old loop ended with the old mailbox
+        self._background.spawn(self._serve_admin())  # the old loop ended with the old mailbox
         log(f"recreated the replicas' mailbox ({len(replicas)} replica(s), {len(lead.registry.workers)} worker(s))")
 
     def _tell_added(self, worker: Worker) -> None:
@@ -847,7 +848,7 @@ class ReplicaSet:
                 return
             if call is None:
                 return  # no longer the lead
-            self._spawn(self._answer(*call))
+            self._background.spawn(self._answer(*call))
 
     async def _answer(self, n: int, method: str, request: bytes) -> None:
         answer = await run_forwarded(self.lead.admin_runner, method, request)  # never raises
@@ -882,8 +883,7 @@ class ReplicaSet:
             with contextlib.suppress(Exception):  # first: no replica claims the lead while they stop
                 await asyncio.wait_for(self.mailbox.closing.remote(), timeout=5)
         self._stopping = True
-        for t in list(self._tasks):
-            t.cancel()
+        self._background.cancel()
         if not everything:
             return
         reps = list(self.replicas.values())
@@ -892,12 +892,6 @@ class ReplicaSet:
                                    timeout=10)
         for rep in reps:
             _end(rep)
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
 
 def stop_deployment(port: int, grace_s: float, wait_s: float = 60.0) -> str:

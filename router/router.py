@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from engine.block_hash import hash_blocks
 from engine.config import cdiv
 from engine.messages import FirstToken, KVMoveResult, LoadReport, PrefillResult, Reservation, TokenDelta
+from router.background import Background
 from router.cost_model import CostModel
 from router.lifecycle import (
     Attempt,
@@ -170,7 +171,7 @@ class Router:
         self.num_queued = 0
         self.draining = False
         self._room = asyncio.Event()  # set whenever blocks may have been freed or a worker joined
-        self._tasks: set[asyncio.Task] = set()
+        self._background = Background()
         self.observer = observer or RequestObserver()
         self.kv_moves: collections.deque[KVMove] = collections.deque(maxlen=1024)
         self.cost = CostModel(bytes_per_token=0)  # learns the KV bytes per token from the first worker
@@ -186,9 +187,7 @@ class Router:
 
     async def close(self) -> None:
         """Stop listening to the workers (the deployment is shutting down)."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.close()
 
     async def drain(self, grace_s: float) -> bool:
         """Admit nothing more; wait up to `grace_s` for the requests in flight. True if all finished."""
@@ -200,7 +199,7 @@ class Router:
 
     def apply_report(self, worker: Worker, report: LoadReport) -> None:
         if self._fold_report(worker, report) == "behind" and (worker.cache_read is None or worker.cache_read.done()):
-            worker.cache_read = self._spawn(self._read_cache_changes(worker))
+            worker.cache_read = self._background.spawn(self._read_cache_changes(worker))
 
     def _fold_report(self, worker: Worker, report: LoadReport) -> str | None:
         """Take a report's load and cache changes; the cache outcome (`PrefixIndex.apply_changes`), None when
@@ -248,7 +247,7 @@ class Router:
         if worker.info.kv_bytes_per_token:
             self.cost.bytes_per_token = worker.info.kv_bytes_per_token
         if worker.kind.decodes:
-            self._spawn(self._consume_steps(worker))
+            self._background.spawn(self._consume_steps(worker))
         self._room.set()
 
     def _on_worker_lost(self, worker: Worker, why: str) -> None:
@@ -274,7 +273,7 @@ class Router:
                     and att.decode is not None and att.decode.alive):
                 by_decode[att.decode.worker_id].append(att.key)
         for wid, keys in by_decode.items():
-            self._spawn(self._renew(self.workers[wid], keys))
+            self._background.spawn(self._renew(self.workers[wid], keys))
 
     async def _renew(self, decode: Worker, keys: list[str]) -> None:
         try:
@@ -798,7 +797,7 @@ class Router:
     def _set_flow(self, worker: Worker, att: Attempt, paused: bool) -> None:
         att.want_paused = paused
         if att.flow_task is None or att.flow_task.done():
-            att.flow_task = self._spawn(self._flow(worker, att))
+            att.flow_task = self._background.spawn(self._flow(worker, att))
 
     async def _flow(self, worker: Worker, att: Attempt) -> None:
         """Bring the decode worker to the attempt's wanted pause state (backpressure from a slow client),
@@ -825,7 +824,7 @@ class Router:
 
     def _abort_soon(self, worker: Worker, key: str) -> None:
         """Tell `worker` to free what it holds for `key`, in the background (a drain waits for these)."""
-        task = self._spawn(self._abort(worker, key))
+        task = self._background.spawn(self._abort(worker, key))
         pending = self._aborts.setdefault(worker.worker_id, set())
         pending.add(task)
         task.add_done_callback(pending.discard)
@@ -839,12 +838,6 @@ class Router:
             self._call_failed(worker, e, Cause.WORKER_ERROR)
             logger.warning("abort of %s on %s failed: %s", key, worker.worker_id, e)
         self._room.set()
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # -- draining ---------------------------------------------------------------------------------------
 
@@ -874,7 +867,7 @@ class Router:
                 for att in list(self._attempts.values()):
                     if att.decode is worker and att.phase is Phase.DECODING and not att.moving:
                         att.moving = True
-                        self._spawn(self._hold(att, worker, method))
+                        self._background.spawn(self._hold(att, worker, method))
             await asyncio.sleep(0.05)
         # NOTE: the attempts that left it sent their aborts in the background: it holds nothing once answered
         await asyncio.gather(*self._aborts.get(worker.worker_id, ()), return_exceptions=True)

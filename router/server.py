@@ -61,7 +61,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 512  # decode/colocated step budget
     prefill_max_num_batched_tokens: int = 2048  # prefill pool: no decode rows to protect, bigger chunks
     prefill_order: str = "fair"  # prompts by fewest uncomputed tokens, aged ("fifo": by arrival)
-    prefill_chunk_tokens: int = 512  # fair order: the most prompt tokens a step computes, all together (0: budget)
+    prefill_chunk_tokens: int = 256  # fair order: the most prompt tokens a step computes, all together (0: budget)
     # the same on decode workers (local prefills): small, so a prompt computed there stalls its streams by
     # about one decode step at a time, not by the whole prompt at once (Sarathi-Serve's stall-free batching)
     decode_prefill_chunk_tokens: int = 64

@@ -17,7 +17,7 @@ def caps(*argv: str) -> dict[PoolKind, int]:
 
 
 def test_decode_workers_take_small_prompt_chunks_and_the_router_plans_with_them():
-    assert caps() == {PoolKind.PREFILL: 512, PoolKind.DECODE: 64}
+    assert caps() == {PoolKind.PREFILL: 256, PoolKind.DECODE: 64}
     assert caps("--prefill-chunk-tokens", "1024", "--decode-prefill-chunk-tokens", "32") == {
         PoolKind.PREFILL: 1024, PoolKind.DECODE: 32}
     assert config("--decode-prefill-chunk-tokens", "32").router_config().local_chunk_tokens == 32
@@ -25,7 +25,7 @@ def test_decode_workers_take_small_prompt_chunks_and_the_router_plans_with_them(
 
 def test_colocated_workers_keep_the_prefill_cap():
     assert caps("--colocated-workers", "2", "--prefill-workers", "0", "--decode-workers", "0") == {
-        PoolKind.COLOCATED: 512}
+        PoolKind.COLOCATED: 256}
 
 
 def test_a_negative_cap_names_the_flag():
