@@ -13,7 +13,7 @@ Once measured, only measurements count.
 These feed `placement.choose_path`: the (prefill, decode) pair with the lowest estimated time until the
 request decodes, or the decode worker itself when prefilling there is cheaper and the stall it puts on
 that worker's running streams is worth it (see there). A P:D planner would size the pools from the same
-numbers.
+numbers, which the router exports as gauges (`pdserve_cost_*`, `router.metrics`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ class _Ewma:
 
     def observe(self, x: float, alpha: float) -> None:
         self.value = x if self.value is None else (1 - alpha) * self.value + alpha * x
+
+
+@dataclass(frozen=True)
+class Measured:
+    prefill_tokens_per_s: dict[str, float]  # by worker id
+    link_bytes_per_s: dict[tuple[str, str], float]  # by (src, dst) worker ids
+    decode_step_s: dict[str, float]  # by worker id
 
 
 @dataclass
@@ -108,6 +115,14 @@ class CostModel:
 
     def measured_links(self) -> dict[tuple[str, str], float]:
         return {pair: e.value for pair, e in self._link.items() if e.value}
+
+    def measured(self) -> Measured:
+        """What has been measured so far (priors and stand-ins left out): the metrics export this.
+        NOTE: read from the metrics endpoint's thread while the event loop observes: each dict is copied
+        in one builtin call, which the GIL does not interrupt."""
+        return Measured({w: e.value for w, e in list(self._prefill.items()) if e.value},
+                        {p: e.value for p, e in list(self._link.items()) if e.value},
+                        {w: e.value for w, e in list(self._step.items()) if e.value})
 
     # -- estimates (seconds) ----------------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ What is observed, and when (every hook runs on the router's event loop, so nothi
   (prefill, decode) pair from the router's transfer notices.
 - Migrations by cause and method, the pause each migrated stream showed, KV bytes moved between decode
   workers by drains, and each pool's live against target size.
+- The router's cost model (`pdserve_cost_*`: prefill rates, link rates, decode step times), read from it
+  at scrape time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_wsgi_server
 
 from engine.messages import SpecCounts
@@ -39,6 +42,7 @@ from router.placement import PoolKind
 
 if TYPE_CHECKING:
     from engine.messages import KVMoveResult, LoadReport
+    from router.cost_model import CostModel
     from router.pool import Worker
     from router.router import RequestState, RouterEvent
     from router.validation import ValidatedRequest
@@ -80,6 +84,7 @@ class Metrics(RequestObserver):
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.model = model
         self.registry = registry or CollectorRegistry()
+        self._cost_gauges: _CostGauges | None = None
         r = self.registry
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds", "Arrival at the router to the first token sent to the "
@@ -178,6 +183,12 @@ class Metrics(RequestObserver):
         self._workers: dict[str, set[str]] = {PoolKind.PREFILL.value: set(), PoolKind.DECODE.value: set()}
 
     # -- RequestObserver --------------------------------------------------------------------------------
+
+    def watch_cost(self, cost: CostModel) -> None:
+        if self._cost_gauges is not None:  # (a router replaced in this process: read the new one's)
+            self.registry.unregister(self._cost_gauges)
+        self._cost_gauges = _CostGauges(self.model, cost)
+        self.registry.register(self._cost_gauges)
 
     def on_event(self, req: ValidatedRequest, state: RequestState, event: RouterEvent) -> None:
         n = len(event.token_ids)
@@ -314,6 +325,30 @@ class Metrics(RequestObserver):
 def _decode_pool(ttft_pool: str) -> str:
     """The pool that decodes a request whose first token came from `ttft_pool`."""
     return PoolKind.DECODE.value if ttft_pool == PoolKind.PREFILL.value else ttft_pool
+
+
+class _CostGauges:
+    """The router's cost model as gauges, read at scrape time: what placement decides by, and what a P:D
+    planner would size the pools from. Only measured values appear (a worker that left is forgotten)."""
+
+    def __init__(self, model: str, cost: CostModel) -> None:
+        self.model, self.cost = model, cost
+
+    def collect(self):
+        m = self.cost.measured()
+        prefill = GaugeMetricFamily("pdserve_cost_prefill_tokens_per_second", "A prefill worker's measured "
+                                    "prefill rate (uncached prompt tokens per second, EWMA).", labels=["model", "worker"])
+        for worker, rate in m.prefill_tokens_per_s.items():
+            prefill.add_metric([self.model, worker], rate)
+        link = GaugeMetricFamily("pdserve_cost_link_bytes_per_second", "A (prefill, decode) pair's measured KV "
+                                 "transfer rate (bytes per second, EWMA).", labels=["model", "src", "dst"])
+        for (src, dst), rate in m.link_bytes_per_s.items():
+            link.add_metric([self.model, src, dst], rate)
+        step = GaugeMetricFamily("pdserve_cost_decode_step_seconds", "A decode worker's measured step time "
+                                 "(seconds, EWMA).", labels=["model", "worker"])
+        for worker, seconds in m.decode_step_s.items():
+            step.add_metric([self.model, worker], seconds)
+        return [prefill, link, step]
 
 
 class _Labelled:

@@ -10,12 +10,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.messages import KVMoveResult, LoadReport
+    from router.cost_model import CostModel
     from router.pool import Worker
     from router.router import RequestState, RouterEvent
     from router.validation import ValidatedRequest
 
 
 class RequestObserver:
+    def watch_cost(self, cost: CostModel) -> None:
+        """The router's cost model (`router.cost_model`), to be read whenever its numbers are wanted."""
+
     def on_event(self, req: ValidatedRequest, state: RequestState, event: RouterEvent) -> None:
         """Tokens reached the client: `event.first` marks the first (TTFT), later ones give ITL gaps."""
 

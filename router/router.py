@@ -175,6 +175,7 @@ class Router:
         self.observer = observer or RequestObserver()
         self.kv_moves: collections.deque[KVMove] = collections.deque(maxlen=1024)
         self.cost = CostModel(bytes_per_token=0)  # learns the KV bytes per token from the first worker
+        self.observer.watch_cost(self.cost)
         self._aborts: dict[str, set[asyncio.Task]] = {}  # by worker id: aborts sent, not yet answered
 
     @property

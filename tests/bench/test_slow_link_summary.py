@@ -23,5 +23,6 @@ def test_the_summary_pools_abba_runs_per_placement_and_compares_them():
     assert s["joint"]["slow_link_share"] == pytest.approx(1 / 12)
     assert s["separate"]["kv_wait_steady_mean_s"] == pytest.approx(2.0) and s["joint"]["kv_wait_steady_mean_s"] == 0.5
     assert s["joint_vs_separate_kv_wait_steady"] == pytest.approx(4.0)
+    assert s["separate"]["second_token_steady_p50_s"] == 2.5 and s["joint"]["second_token_steady_p50_s"] == 1.0
     text = _table({"rate": "50mbit", "prompt_tokens": 512, "summary": s})
     assert "| separate |" in text and "| joint |" in text and "4.0x shorter" in text

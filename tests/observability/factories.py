@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.messages import EngineLoad, KVMoveResult, LoadReport, SpecCounts, WorkerInfo
 from engine.sampling_params import SamplingParams
+from router.cost_model import CostModel
 from router.metrics import Metrics
 from router.placement import PoolKind, WorkerLoad
 from router.pool import Worker
@@ -62,3 +63,13 @@ def drive_every_hook(m: Metrics) -> None:
     m.on_kv_move("decode-0", "decode-1", KVMoveResult(False, error="link broke"))
     m.on_pool_size("prefill", 1, 1)
     m.on_worker_lost(d)
+    m.watch_cost(measured_cost())
+
+
+def measured_cost() -> CostModel:
+    """A cost model that has measured a prefill, a transfer and a decode step."""
+    cost = CostModel(bytes_per_token=46_080)
+    cost.observe_prefill("prefill-0", 512, 0.5)
+    cost.observe_transfer("prefill-0", "decode-0", 4 << 20, 0.01)
+    cost.observe_step("decode-0", 0.04)
+    return cost

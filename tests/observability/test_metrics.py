@@ -11,10 +11,20 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.cli import _add_serve
+from router.cost_model import CostModel
 from router.metrics import ITL_BUCKETS, TTFT_BUCKETS, Metrics, MetricsEndpoint
 from router.placement import PoolKind
 from router.server import ServeConfig, Server
-from tests.observability.factories import MODEL, drive_every_hook, report, request, state, stream, worker
+from tests.observability.factories import (
+    MODEL,
+    drive_every_hook,
+    measured_cost,
+    report,
+    request,
+    state,
+    stream,
+    worker,
+)
 
 # The list: family name (as prometheus_client names it) -> (type, labels)
 EXPECTED = {
@@ -47,6 +57,9 @@ EXPECTED = {
     "pdserve_pool_live_workers": ("gauge", {"model", "pool"}),
     "pdserve_pool_target_workers": ("gauge", {"model", "pool"}),
     "pdserve_pool_serving": ("gauge", {"model", "pool"}),
+    "pdserve_cost_prefill_tokens_per_second": ("gauge", {"model", "worker"}),
+    "pdserve_cost_link_bytes_per_second": ("gauge", {"model", "src", "dst"}),
+    "pdserve_cost_decode_step_seconds": ("gauge", {"model", "worker"}),
 }
 
 
@@ -186,6 +199,24 @@ def test_kv_transfers_observe_latency_and_bytes_and_count_failures():
     assert value(m, "pdserve_kv_transfer_seconds_count", **pair) == 2
     assert value(m, "pdserve_kv_transfer_bytes_total", **pair) == 2 << 20
     assert value(m, "pdserve_kv_transfer_failures_total", **pair) == 1
+
+
+def test_the_cost_model_is_exported_as_measured_and_forgets_a_worker_that_left():
+    m = Metrics(MODEL)
+    cost = measured_cost()
+    m.watch_cost(cost)
+    assert value(m, "pdserve_cost_prefill_tokens_per_second", worker="prefill-0") == 1024
+    assert value(m, "pdserve_cost_link_bytes_per_second", src="prefill-0", dst="decode-0") == 400 << 20
+    assert value(m, "pdserve_cost_decode_step_seconds", worker="decode-0") == 0.04
+    cost.observe_step("decode-0", 0.09)  # read at scrape time: the EWMA moves (alpha 0.2)
+    assert value(m, "pdserve_cost_decode_step_seconds", worker="decode-0") == pytest.approx(0.05)
+    cost.forget("decode-0")
+    assert m.registry.get_sample_value("pdserve_cost_decode_step_seconds", {"model": MODEL, "worker": "decode-0"}) is None
+    assert m.registry.get_sample_value("pdserve_cost_link_bytes_per_second",
+                                       {"model": MODEL, "src": "prefill-0", "dst": "decode-0"}) is None
+    m.watch_cost(CostModel(bytes_per_token=1))  # a new router in this process: its model replaces the old
+    assert m.registry.get_sample_value("pdserve_cost_prefill_tokens_per_second",
+                                       {"model": MODEL, "worker": "prefill-0"}) is None
 
 
 # -- names, labels, buckets -----------------------------------------------------------------------------
