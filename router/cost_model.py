@@ -2,11 +2,12 @@
 
     prefill(w, n tokens)   = (w's queued prefill tokens + n) / w's prefill rate        [tokens/s, per worker]
     transfer(P -> D, b)    = b / the pair's link rate                                  [bytes/s, per pair]
-    admit(D)               = one of D's decode steps                                   [seconds, per worker]
+    admit(D)               = one of D's decode steps, at its batch + 1                 [seconds, per worker]
 
 Every rate is an exponentially weighted mean of observations (`observe_*`): a prefill's uncached tokens over
 the time from its first chunk to its first token; a KV transfer's bytes over its duration; a decode worker's
-step time. Until a worker or a pair has been measured, a stand-in counts: for a prefill rate, the mean of
+step time, fitted as a line against the sequences in its batch (so a busier worker's step is priced as
+longer before it has run at that batch). Until a worker or a pair has been measured, a stand-in counts: for a prefill rate, the mean of
 the workers measured so far; else a prior (a pair on one node is assumed faster than one across nodes).
 Once measured, only measurements count.
 
@@ -49,11 +50,46 @@ class _Ewma:
         self.value = x if self.value is None else (1 - alpha) * self.value + alpha * x
 
 
+@dataclass
+class _LinearFit:
+    """y = a + b*x by exponentially weighted least squares: each observation's weight decays by (1 - alpha)
+    per newer one. With too little spread in x to tell a slope (a worker always at one batch size), or a
+    negative one (noise: a step does not get faster with more sequences), it is the weighted mean."""
+
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, x: float, y: float, alpha: float) -> None:
+        keep = 1 - alpha
+        self.w, self.sx, self.sy = keep * self.w + 1, keep * self.sx + x, keep * self.sy + y
+        self.sxx, self.sxy = keep * self.sxx + x * x, keep * self.sxy + x * y
+
+    @property
+    def mean(self) -> float:
+        return self.sy / self.w
+
+    @property
+    def slope(self) -> float:
+        mx = self.sx / self.w
+        var = self.sxx / self.w - mx * mx
+        if var < 0.25:  # x is a batch size: less spread than this is one size, give or take
+            return 0.0
+        return max(0.0, (self.sxy / self.w - mx * self.sy / self.w) / var)
+
+    def predict(self, x: float) -> float:
+        b = self.slope
+        return self.mean + b * (x - self.sx / self.w)
+
+
 @dataclass(frozen=True)
 class Measured:
     prefill_tokens_per_s: dict[str, float]  # by worker id
     link_bytes_per_s: dict[tuple[str, str], float]  # by (src, dst) worker ids
-    decode_step_s: dict[str, float]  # by worker id
+    decode_step_s: dict[str, float]  # by worker id: at the batch sizes it ran lately (their weighted mean)
+    decode_step_per_seq_s: dict[str, float]  # by worker id: what one more sequence adds to a step
 
 
 @dataclass
@@ -62,7 +98,7 @@ class CostModel:
     priors: CostPriors = field(default_factory=CostPriors)
     _prefill: dict[str, _Ewma] = field(default_factory=dict)
     _link: dict[tuple[str, str], _Ewma] = field(default_factory=dict)
-    _step: dict[str, _Ewma] = field(default_factory=dict)
+    _step: dict[str, _LinearFit] = field(default_factory=dict)  # step seconds against running sequences
 
     # -- observations -----------------------------------------------------------------------------------
 
@@ -78,9 +114,10 @@ class CostModel:
         if num_bytes >= MIN_RATED_TRANSFER_BYTES and seconds > 0:
             self._link.setdefault((src, dst), _Ewma()).observe(num_bytes / seconds, self.priors.alpha)
 
-    def observe_step(self, worker_id: str, seconds: float) -> None:
+    def observe_step(self, worker_id: str, seconds: float, num_running: int = 1) -> None:
+        """A decode step of `worker_id` took `seconds` with `num_running` sequences in its batch."""
         if seconds > 0:
-            self._step.setdefault(worker_id, _Ewma()).observe(seconds, self.priors.alpha)
+            self._step.setdefault(worker_id, _LinearFit()).observe(num_running, seconds, self.priors.alpha)
 
     def forget(self, worker_id: str) -> None:
         """A worker left: drop what was learned about it and its links."""
@@ -109,9 +146,12 @@ class CostModel:
             return ewma.value
         return self.priors.same_node_bytes_per_s if same_node else self.priors.cross_node_bytes_per_s
 
-    def step_time(self, worker_id: str) -> float:
-        ewma = self._step.get(worker_id)
-        return ewma.value if ewma is not None and ewma.value else self.priors.decode_step_s
+    def step_time(self, worker_id: str, num_running: int | None = None) -> float:
+        """The worker's decode step with `num_running` sequences (None: at the batches it ran lately)."""
+        fit = self._step.get(worker_id)
+        if fit is None:
+            return self.priors.decode_step_s
+        return fit.mean if num_running is None else fit.predict(num_running)
 
     def measured_links(self) -> dict[tuple[str, str], float]:
         return {pair: e.value for pair, e in self._link.items() if e.value}
@@ -120,9 +160,10 @@ class CostModel:
         """What has been measured so far (priors and stand-ins left out): the metrics export this.
         NOTE: read from the metrics endpoint's thread while the event loop observes: each dict is copied
         in one builtin call, which the GIL does not interrupt."""
+        steps = list(self._step.items())
         return Measured({w: e.value for w, e in list(self._prefill.items()) if e.value},
                         {p: e.value for p, e in list(self._link.items()) if e.value},
-                        {w: e.value for w, e in list(self._step.items()) if e.value})
+                        {w: f.mean for w, f in steps}, {w: f.slope for w, f in steps})
 
     # -- estimates (seconds) ----------------------------------------------------------------------------
 

@@ -344,11 +344,15 @@ class _CostGauges:
                                  "transfer rate (bytes per second, EWMA).", labels=["model", "src", "dst"])
         for (src, dst), rate in m.link_bytes_per_s.items():
             link.add_metric([self.model, src, dst], rate)
-        step = GaugeMetricFamily("pdserve_cost_decode_step_seconds", "A decode worker's measured step time "
-                                 "(seconds, EWMA).", labels=["model", "worker"])
+        step = GaugeMetricFamily("pdserve_cost_decode_step_seconds", "A decode worker's measured step time at "
+                                 "the batches it ran lately (seconds, weighted mean).", labels=["model", "worker"])
         for worker, seconds in m.decode_step_s.items():
             step.add_metric([self.model, worker], seconds)
-        return [prefill, link, step]
+        per_seq = GaugeMetricFamily("pdserve_cost_decode_step_per_sequence_seconds", "What one more sequence "
+                                    "adds to a decode worker's step (seconds, fitted).", labels=["model", "worker"])
+        for worker, seconds in m.decode_step_per_seq_s.items():
+            per_seq.add_metric([self.model, worker], seconds)
+        return [prefill, link, step, per_seq]
 
 
 class _Labelled:

@@ -188,7 +188,7 @@ def choose_path(hashes: Sequence[BlockHash], num_prompt_tokens: int, block_size:
             continue
         on_d = matched.get(d.worker_id, 0)
         uncached_on_d = num_prompt_tokens - on_d * block_size
-        admit = cost.step_time(d.worker_id)
+        admit = cost.step_time(d.worker_id, d.num_running + 1)  # its step once this request joins
         best_remote = float("inf")
         for p in prefills:
             if not (p.alive and p.pool.prefills):

@@ -737,7 +737,7 @@ class Router:
             async for out in worker.client.steps():
                 if out.step and last is not None and out.step == last.step + 1 and last.load is not None \
                         and last.load.num_running:
-                    self.cost.observe_step(worker.worker_id, out.time - last.time)
+                    self.cost.observe_step(worker.worker_id, out.time - last.time, last.load.num_running)
                 last = out if out.step else last
                 if out.load is not None:
                     self.apply_report(worker, LoadReport(worker.worker_id, out.load))

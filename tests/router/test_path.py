@@ -145,6 +145,34 @@ def test_a_chunked_local_prefill_stalls_each_step_by_at_most_one_step_and_costs_
     assert choose(tokens, [prefill("p0")], busy, cost, local_chunk_tokens=20)[0].path is Path.REMOTE
 
 
+def test_a_decode_step_is_fitted_against_its_batch_and_priced_at_the_batch_a_request_joins():
+    cost = CostModel(BYTES_PER_TOKEN)
+    for _ in range(20):  # 30 ms at one sequence, 70 ms at nine: 5 ms per sequence
+        cost.observe_step("d0", 0.03, 1)
+        cost.observe_step("d0", 0.07, 9)
+    assert cost.step_time("d0", 5) == pytest.approx(0.05)
+    assert cost.step_time("d0", 17) == pytest.approx(0.11)
+    assert cost.measured().decode_step_per_seq_s["d0"] == pytest.approx(0.005)
+    cost.observe_step("d1", 0.04, 3)  # one batch size seen: no slope to tell, the mean at any batch
+    assert cost.step_time("d1", 30) == 0.04
+    # noise that slopes downwards is no reason to price a busier worker cheaper
+    cost.observe_step("d2", 0.05, 1)
+    cost.observe_step("d2", 0.04, 8)
+    assert cost.step_time("d2", 8) == cost.step_time("d2", 1) == pytest.approx((0.8 * 0.05 + 0.04) / 1.8)
+
+
+def test_a_decode_worker_is_priced_at_the_batch_it_runs_now_not_the_batches_it_ran_lately():
+    cost = model(prefill_rate=4000.0)
+    for _ in range(20):
+        cost.observe_step("d0", 0.03, 1)  # d0 ran at 1 and 41 sequences: 130 ms on average, 35 ms at 2
+        cost.observe_step("d0", 0.23, 41)
+        cost.observe_step("d1", 0.08, 1)  # d1: 80 ms at any batch it ran
+    # both idle now: d0's step with this request is the cheaper one, though its mean is not
+    best = choose(prompt(64), [prefill("p0")], [decode("d0"), decode("d1")], cost, local=False)[0]
+    assert best.decode == "d0"
+    assert cost.measured().decode_step_s["d0"] > cost.measured().decode_step_s["d1"]
+
+
 # -- the router on each path, over fake workers ---------------------------------------------------------
 
 
