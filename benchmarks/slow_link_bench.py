@@ -1,6 +1,7 @@
 """One slow link: does joint (prefill, decode) placement route around it, and what does the node-only rule pay?
 
-    python -m benchmarks.slow_link_bench [--rate 50mbit] [--requests 12] [--concurrency 2] [--out FILE]
+    python -m benchmarks.slow_link_bench [--rate 50mbit] [--requests 12] [--concurrency 2 | --arrival-rate R]
+                                         [--out FILE]
 
 A real three-node Ray cluster on this machine (`python -m tests.cluster`: one network namespace per node,
 veth links through a bridge): the head holds the prefill worker, nodes d1 and d2 one decode worker each.
@@ -46,8 +47,9 @@ def _cluster(*args: str) -> str:
 
 
 def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed: int,
-           concurrency: int) -> dict:
-    """One layout, from inside the head node's namespace: start it, keep `concurrency` prompts in flight."""
+           concurrency: int, arrival_rate: float | None = None, max_tokens: int = 4) -> dict:
+    """One layout, from inside the head node's namespace: start it, keep `concurrency` prompts in flight,
+    or, with `arrival_rate`, send one every 1/`arrival_rate` seconds (open loop) whatever is in flight."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
@@ -69,9 +71,14 @@ def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed
         with grpc.insecure_channel(dep.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
 
+            start = time.perf_counter()
+
             def one(i: int) -> dict:
+                if arrival_rate:
+                    time.sleep(max(0.0, start + i / arrival_rate - time.perf_counter()))
                 req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompts[i]),
-                                         sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                                         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                    ignore_eos=True))
                 t0, times, last = time.perf_counter(), [], None
                 for res in stub.Generate(req, timeout=600):
                     times += [time.perf_counter() - t0] * len(res.token_ids)
@@ -81,9 +88,10 @@ def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed
                 return {"ttft_s": times[0], "second_token_s": times[1], "decode": last.decode_worker_id,
                         "slow_link": node_ip[last.decode_worker_id] == SLOW_NODE_IP}
 
-            with ThreadPoolExecutor(concurrency) as pool:
+            with ThreadPoolExecutor(requests if arrival_rate else concurrency) as pool:
                 rows = list(pool.map(one, range(requests)))
-    return {"placement": placement, "concurrency": concurrency, "requests": rows}
+    return {"placement": placement, "concurrency": None if arrival_rate else concurrency,
+            "arrival_rate": arrival_rate, "requests": rows}
 
 
 def _summary(runs: list[dict]) -> dict:
@@ -112,7 +120,8 @@ def _summary(runs: list[dict]) -> dict:
 
 def _table(summary: dict) -> str:
     s = summary["summary"]
-    lines = [f"d1's link at {summary['rate']}; {summary['prompt_tokens']}-token prompts",
+    lines = [f"d1's link at {summary['rate']}; {summary['prompt_tokens']}-token prompts; "
+             f"{summary.get('load', 'closed loop')}",
              "| placement | TTFT p50 | second token p50 / mean | second token p50 after warm-up | "
              "KV wait mean: all / after warm-up | over the slow link: all / after warm-up |",
              "|---|---|---|---|---|---|"]
@@ -134,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", default="50mbit", help="d1's link rate (tc tbf syntax)")
     ap.add_argument("--requests", type=int, default=12, help="prompts per layout run")
     ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--concurrency", type=int, default=2, help="prompts in flight")
+    ap.add_argument("--max-tokens", type=int, default=4, help="tokens each request generates (longer: requests "
+                    "overlap on the decode workers, and free blocks differ between them)")
+    ap.add_argument("--concurrency", type=int, default=2, help="prompts in flight (closed loop)")
+    ap.add_argument("--arrival-rate", type=float, default=None, metavar="PER_S",
+                    help="open loop instead: a prompt every 1/PER_S seconds, whatever is in flight (then the "
+                         "prefill worker does the same work in both layouts, and only where the KV goes differs)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, metavar="FILE")
     ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)  # placement, run in the head's namespace
@@ -143,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.inner:
         print("RESULT " + json.dumps(_inner(args.inner, args.address, args.requests, args.prompt_tokens,
-                                            args.seed, args.concurrency)), flush=True)
+                                            args.seed, args.concurrency, args.arrival_rate,
+                                            args.max_tokens)), flush=True)
         return 0
 
     print("starting the three-node cluster...", file=sys.stderr, flush=True)
@@ -157,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             res = subprocess.run(["ip", "netns", "exec", HEAD_NS, sys.executable, "-m", "benchmarks.slow_link_bench",
                                   "--inner", placement, "--address", address, "--requests", str(args.requests),
                                   "--prompt-tokens", str(args.prompt_tokens), "--seed", str(len(runs) // 2),
-                                  "--concurrency", str(args.concurrency)],
+                                  "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
+                                  *(["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else [])],
                                  stdout=subprocess.PIPE, text=True, timeout=1800)
             lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
             if res.returncode != 0 or not lines:
@@ -165,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(json.loads(lines[-1][len("RESULT "):]))
     finally:
         _cluster("down")
-    summary = {"rate": args.rate, "prompt_tokens": args.prompt_tokens, "runs": runs, "summary": _summary(runs)}
+    load = (f"a prompt every {1 / args.arrival_rate:.2f} s" if args.arrival_rate else f"{args.concurrency} in flight")
+    load += f", {args.max_tokens} tokens out"
+    summary = {"rate": args.rate, "prompt_tokens": args.prompt_tokens, "load": load, "runs": runs,
+               "summary": _summary(runs)}
     emit(summary, args.out, args.json, _table)
     return 0
 

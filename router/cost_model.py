@@ -80,8 +80,8 @@ class _LinearFit:
         return max(0.0, (self.sxy / self.w - mx * self.sy / self.w) / var)
 
     def predict(self, x: float) -> float:
-        b = self.slope
-        return self.mean + b * (x - self.sx / self.w)
+        """(A line through points of a convex curve can dip below zero far left of them: never a time < 0.)"""
+        return max(1e-6, self.mean + self.slope * (x - self.sx / self.w))
 
 
 @dataclass(frozen=True)

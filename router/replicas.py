@@ -909,7 +909,7 @@ def stop_deployment(port: int, grace_s: float, wait_s: float = 60.0) -> str:
     deadline = time.monotonic() + grace_s + wait_s
     while time.monotonic() < deadline:
         try:
-            ray.get(mailbox.beat.remote("-", {}), timeout=5)  # any call: it answers until the lead kills it
+            ray.get(mailbox.describe.remote(), timeout=5)  # a read: it answers until the lead kills it
         except ray.exceptions.RayActorError:
             return lead
         except ray.exceptions.GetTimeoutError:
