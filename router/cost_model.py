@@ -21,18 +21,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MIN_RATED_TRANSFER_BYTES = 1 << 20
-
 
 @dataclass(frozen=True)
 class CostPriors:
-    """Stand-ins until something is measured (a GPU is far faster; the first observation replaces them)."""
+    """Stand-ins until something is measured (a GPU is far faster; the first observation replaces them), and
+    what counts as a measurement."""
 
     prefill_tokens_per_s: float = 2_000.0
     same_node_bytes_per_s: float = 2e9
     cross_node_bytes_per_s: float = 2e8
     decode_step_s: float = 0.05
     alpha: float = 0.2  # weight of each new observation
+    # NOTE: a small transfer's time is the link's latency and per-message costs, not its bandwidth (a 100 KB
+    # one measured a fast local link as slower than the prior for a cross-node one): only transfers of at
+    # least this many bytes rate a link
+    min_rated_transfer_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "same_node_bytes_per_s", "cross_node_bytes_per_s", "decode_step_s"):
@@ -108,10 +111,7 @@ class CostModel:
             self._prefill.setdefault(worker_id, _Ewma()).observe(num_tokens / seconds, self.priors.alpha)
 
     def observe_transfer(self, src: str, dst: str, num_bytes: int, seconds: float) -> None:
-        # NOTE: a small transfer's time is the link's latency and per-message costs, not its bandwidth (a
-        # 100 KB one measured a fast local link as slower than the prior for a cross-node one): only
-        # transfers worth a rate count
-        if num_bytes >= MIN_RATED_TRANSFER_BYTES and seconds > 0:
+        if num_bytes >= self.priors.min_rated_transfer_bytes and seconds > 0:
             self._link.setdefault((src, dst), _Ewma()).observe(num_bytes / seconds, self.priors.alpha)
 
     def observe_step(self, worker_id: str, seconds: float, num_running: int = 1) -> None:

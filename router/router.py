@@ -44,7 +44,7 @@ from engine.block_hash import hash_blocks
 from engine.config import cdiv
 from engine.messages import FirstToken, KVMoveResult, LoadReport, PrefillResult, Reservation, TokenDelta
 from router.background import Background
-from router.cost_model import CostModel
+from router.cost_model import CostModel, CostPriors
 from router.lifecycle import (
     Attempt,
     AttemptFailed,
@@ -134,6 +134,7 @@ class RouterConfig:
     # compare a SHA-256 of every moved sequence's KV at the source and the destination before decoding on
     # (a full read of its KV on both: a debugging and proof aid, off in production)
     verify_kv_moves: bool = False
+    cost_priors: CostPriors = field(default_factory=CostPriors)  # the cost model's stand-ins (router.cost_model)
     router_id: str = ""  # this replica's id among several (`pdserve serve --routers N`); unique per incarnation
 
     def __post_init__(self) -> None:
@@ -174,7 +175,8 @@ class Router:
         self._background = Background()
         self.observer = observer or RequestObserver()
         self.kv_moves: collections.deque[KVMove] = collections.deque(maxlen=1024)
-        self.cost = CostModel(bytes_per_token=0)  # learns the KV bytes per token from the first worker
+        # (it learns the KV bytes per token from the first worker)
+        self.cost = CostModel(bytes_per_token=0, priors=config.cost_priors)
         self.observer.watch_cost(self.cost)
         self._aborts: dict[str, set[asyncio.Task]] = {}  # by worker id: aborts sent, not yet answered
 

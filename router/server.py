@@ -26,6 +26,7 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admin import PoolAdmin
 from router.admin_servicer import AdminServicer
+from router.cost_model import CostPriors
 from router.http_api import HttpDoor, HttpServer
 from router.metrics import Metrics, MetricsEndpoint
 from router.observer import RequestObserver
@@ -65,6 +66,8 @@ class ServeConfig:
     # the same on decode workers (local prefills): small, so a prompt computed there stalls its streams by
     # about one decode step at a time, not by the whole prompt at once (Sarathi-Serve's stall-free batching)
     decode_prefill_chunk_tokens: int = 64
+    # the router's cost model's stand-ins and measurement floor (no flag: the defaults learn from measurements)
+    cost_priors: CostPriors = field(default_factory=CostPriors)
     max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
     admission_timeout_s: float = 60.0  # a request waits this long for KV room or a live worker
     max_queued_prefill_tokens: int = 65536  # per prefill worker, before RESOURCE_EXHAUSTED
@@ -178,7 +181,7 @@ class ServeConfig:
                             self.max_queued_prefill_tokens, self.migration_limit,
                             call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves,
                             placement=self.placement, local_prefill=self.local_prefill, router_id=router_id,
-                            local_chunk_tokens=self.decode_prefill_chunk_tokens)
+                            local_chunk_tokens=self.decode_prefill_chunk_tokens, cost_priors=self.cost_priors)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:

@@ -15,6 +15,7 @@ import pytest
 
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
+from router.cost_model import CostPriors
 from tests.observability.dashboard import load_dashboard, substitute, targets
 from tests.observability.prometheus import PROMETHEUS, Prometheus, wait_for
 from tests.serving.conftest import greedy_request, running_server, token_ids
@@ -78,9 +79,11 @@ def settle(prom: Prometheus, seen: Seen) -> None:
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, tmp_path_factory):
-    # NOTE: with speculation on, so the dashboard's speculative-decoding panels have data too
-    with running_server(model=MODEL, prefill_workers=1, decode_workers=1, metrics_port=0,
-                        max_model_len=512, speculative="ngram") as server:
+    # NOTE: with speculation on, so the dashboard's speculative-decoding panels have data too; and with every
+    # transfer rating its link (tiny-random's prompts carry a few KB of KV, far under the 1 MiB floor), so
+    # the cost model's link panel does
+    with running_server(model=MODEL, prefill_workers=1, decode_workers=1, metrics_port=0, max_model_len=512,
+                        speculative="ngram", cost_priors=CostPriors(min_rated_transfer_bytes=1)) as server:
         assert server.server.metrics_port
         prom = Prometheus(f"127.0.0.1:{server.server.metrics_port}", tmp_path_factory.mktemp("prometheus"))
         try:
@@ -162,6 +165,8 @@ def _scale_and_drain(server, prom: Prometheus) -> None:
                           if w.pool == pb.POOL_KIND_DECODE and w.num_running)
             moved = admin_stub.DrainWorker(admin_pb2.DrainWorkerRequest(worker_id=holder), timeout=120)
             assert moved.moved_kv == 1, moved
+    # the drained worker is gone, and the cost model forgot its links: one prompt over the remaining pair
+    assert len(token_ids(server.generate(greedy_request(PREFIX[:40], 4, ignore_eos=True)))) == 4
     prom.wait_scraped_after(time.time())
 
 
