@@ -165,7 +165,7 @@ class Scheduler:
         rate = self.config.prefill_aging_tokens_per_step
 
         def key(r: Request) -> float:
-            return (r.num_tokens - r.num_computed_tokens) - rate * (self._step - self._arrival_step.get(r.request_id, self._step))
+            return (r.num_tokens - r.num_computed_tokens) - rate * (self._step - self._arrival_step[r.request_id])
 
         prompts = sorted([r for r in self.running if r.status == RequestStatus.PREFILLING] + list(self.waiting),
                          key=key)
@@ -278,6 +278,7 @@ class Scheduler:
         req.num_cached_tokens = len(cached) * bs
         req.status = RequestStatus.WAITING_FOR_KV
         self.requests[req.request_id] = req
+        self._arrival_step[req.request_id] = self._step  # (a preempted one waits, and ages, like any prompt)
         self._num_committed[req.request_id] = len(cached)
         return req.block_ids
 

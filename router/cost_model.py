@@ -117,7 +117,9 @@ class CostModel:
     def observe_step(self, worker_id: str, seconds: float, num_running: int = 1) -> None:
         """A decode step of `worker_id` took `seconds` with `num_running` sequences in its batch."""
         if seconds > 0:
-            self._step.setdefault(worker_id, _LinearFit()).observe(num_running, seconds, self.priors.alpha)
+            fit = self._step.get(worker_id) or _LinearFit()
+            fit.observe(num_running, seconds, self.priors.alpha)
+            self._step[worker_id] = fit  # (inserted once observed: a scrape never sees an empty fit)
 
     def forget(self, worker_id: str) -> None:
         """A worker left: drop what was learned about it and its links."""

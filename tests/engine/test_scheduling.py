@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
+from engine.request import Request
 from tests.engine.helpers import greedy, make_engine, rel_err, run_capturing_logits
 
 PROMPT = [(11 * i + 5) % 250 for i in range(70)]
@@ -216,3 +217,19 @@ def test_fair_order_caps_a_steps_prompt_tokens_so_a_step_stays_short():
     while engine.has_unfinished_requests():
         engine.step()
     assert long.output_token_ids == _alone(LONG, 2)
+
+
+def test_a_sequence_whose_kv_came_from_elsewhere_ages_like_any_prompt_once_preempted():
+    """A decode worker's sequence starts from `reserve_for_kv`, not `add`: preempted, it waits in fair order
+    with the age it had, so newer prompts cannot pass it forever."""
+    engine = make_engine(max_num_batched_tokens=64, prefill_order="fair")
+    sched = engine.scheduler
+    moved = Request("moved", LONG[:200], greedy(4, ignore_eos=True), 16)
+    assert sched.reserve_for_kv(moved) is not None
+    sched.kv_landed(moved, 7)
+    sched.running.remove(moved)
+    sched._preempt(moved)  # (as block pressure would)
+    sched._step += 5  # it has waited: 6 steps by the next one, 384 tokens of credit against its 201
+    short = engine.add_request(PROMPT[:12], greedy(1, ignore_eos=True))
+    out = sched.schedule()
+    assert [c.request for c in out.chunks][:2] == [moved, short]  # the older first, though it is longer

@@ -31,3 +31,8 @@ def test_colocated_workers_keep_the_prefill_cap():
 def test_a_negative_cap_names_the_flag():
     with pytest.raises(ValueError, match="--decode-prefill-chunk-tokens"):
         config("--decode-prefill-chunk-tokens", "-1")
+
+
+def test_in_fifo_order_the_router_does_not_price_local_prefills_in_chunks():
+    """(The engine caps prompt tokens per step in fair order only.)"""
+    assert config("--prefill-order", "fifo").router_config().local_chunk_tokens == 0
