@@ -165,7 +165,8 @@ class Scheduler:
         rate = self.config.prefill_aging_tokens_per_step
 
         def key(r: Request) -> float:
-            return (r.num_tokens - r.num_computed_tokens) - rate * (self._step - self._arrival_step[r.request_id])
+            waited = self._step - self._arrival_step[r.request_id]
+            return (r.num_tokens - r.num_computed_tokens) - rate * waited
 
         prompts = sorted([r for r in self.running if r.status == RequestStatus.PREFILLING] + list(self.waiting),
                          key=key)

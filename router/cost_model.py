@@ -7,9 +7,9 @@
 Every rate is an exponentially weighted mean of observations (`observe_*`): a prefill's uncached tokens over
 the time from its first chunk to its first token; a KV transfer's bytes over its duration; a decode worker's
 step time, fitted as a line against the sequences in its batch (so a busier worker's step is priced as
-longer before it has run at that batch). Until a worker or a pair has been measured, a stand-in counts: for a prefill rate, the mean of
-the workers measured so far; else a prior (a pair on one node is assumed faster than one across nodes).
-Once measured, only measurements count.
+longer before it has run at that batch). Until a worker or a pair has been measured, a stand-in counts:
+for a prefill rate, the mean of the workers measured so far; else a prior (a pair on one node is assumed
+faster than one across nodes). Once measured, only measurements count.
 
 These feed `placement.choose_path`: the (prefill, decode) pair with the lowest estimated time until the
 request decodes, or the decode worker itself when prefilling there is cheaper and the stall it puts on
@@ -154,9 +154,6 @@ class CostModel:
         if fit is None:
             return self.priors.decode_step_s
         return fit.mean if num_running is None else fit.predict(num_running)
-
-    def measured_links(self) -> dict[tuple[str, str], float]:
-        return {pair: e.value for pair, e in self._link.items() if e.value}
 
     def measured(self) -> Measured:
         """What has been measured so far (priors and stand-ins left out): the metrics export this.

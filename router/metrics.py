@@ -336,23 +336,21 @@ class _CostGauges:
 
     def collect(self):
         m = self.cost.measured()
-        prefill = GaugeMetricFamily("pdserve_cost_prefill_tokens_per_second", "A prefill worker's measured "
-                                    "prefill rate (uncached prompt tokens per second, EWMA).", labels=["model", "worker"])
-        for worker, rate in m.prefill_tokens_per_s.items():
-            prefill.add_metric([self.model, worker], rate)
-        link = GaugeMetricFamily("pdserve_cost_link_bytes_per_second", "A (prefill, decode) pair's measured KV "
-                                 "transfer rate (bytes per second, EWMA).", labels=["model", "src", "dst"])
-        for (src, dst), rate in m.link_bytes_per_s.items():
-            link.add_metric([self.model, src, dst], rate)
-        step = GaugeMetricFamily("pdserve_cost_decode_step_seconds", "A decode worker's measured step time at "
-                                 "the batches it ran lately (seconds, weighted mean).", labels=["model", "worker"])
-        for worker, seconds in m.decode_step_s.items():
-            step.add_metric([self.model, worker], seconds)
-        per_seq = GaugeMetricFamily("pdserve_cost_decode_step_per_sequence_seconds", "What one more sequence "
-                                    "adds to a decode worker's step (seconds, fitted).", labels=["model", "worker"])
-        for worker, seconds in m.decode_step_per_seq_s.items():
-            per_seq.add_metric([self.model, worker], seconds)
-        return [prefill, link, step, per_seq]
+        worker = ["model", "worker"]
+        for name, doc, labels, values in (
+            ("pdserve_cost_prefill_tokens_per_second", "A prefill worker's measured prefill rate (uncached "
+             "prompt tokens per second, EWMA).", worker, m.prefill_tokens_per_s),
+            ("pdserve_cost_link_bytes_per_second", "A (prefill, decode) pair's measured KV transfer rate (bytes "
+             "per second, EWMA).", ["model", "src", "dst"], m.link_bytes_per_s),
+            ("pdserve_cost_decode_step_seconds", "A decode worker's measured step time at the batches it ran "
+             "lately (seconds, weighted mean).", worker, m.decode_step_s),
+            ("pdserve_cost_decode_step_per_sequence_seconds", "What one more sequence adds to a decode worker's "
+             "step (seconds, fitted).", worker, m.decode_step_per_seq_s),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            for key, value in values.items():
+                family.add_metric([self.model, *(key if isinstance(key, tuple) else (key,))], value)
+            yield family
 
 
 class _Labelled:

@@ -60,9 +60,9 @@ class ServeConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # decode/colocated step budget
-    prefill_max_num_batched_tokens: int = 2048  # prefill pool step budget (fair order: --prefill-chunk-tokens caps it)
+    prefill_max_num_batched_tokens: int = 2048  # prefill pool step budget (fair order: the chunk cap below)
     prefill_order: str = "fair"  # prompts by fewest uncomputed tokens, aged ("fifo": by arrival)
-    prefill_chunk_tokens: int = 256  # fair order: the most prompt tokens a step computes, all together (0: budget)
+    prefill_chunk_tokens: int = 256  # fair order: the most prompt tokens a step computes, all prompts (0: budget)
     # the same on decode workers (local prefills): small, so a prompt computed there stalls its streams by
     # about one decode step at a time, not by the whole prompt at once (Sarathi-Serve's stall-free batching)
     decode_prefill_chunk_tokens: int = 64
@@ -181,8 +181,9 @@ class ServeConfig:
                             self.max_queued_prefill_tokens, self.migration_limit,
                             call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves,
                             placement=self.placement, local_prefill=self.local_prefill, router_id=router_id,
-                            local_chunk_tokens=self.decode_prefill_chunk_tokens if self.prefill_order == "fair" else 0,
-                            cost_priors=self.cost_priors)
+                            # (the engine caps prompt tokens per step in fair order only)
+                            local_chunk_tokens=self.decode_prefill_chunk_tokens if self.prefill_order == "fair"
+                            else 0, cost_priors=self.cost_priors)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:

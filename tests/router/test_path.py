@@ -111,11 +111,11 @@ def test_the_model_learns_and_forgets():
     assert cost.prefill_rate("p1") == 2000  # unmeasured: the measured workers' mean, not the prior
     assert cost.link_rate("p0", "d0", same_node=True) > cost.link_rate("p0", "d0", same_node=False)
     cost.observe_transfer("p0", "d0", 10**5, 0.001)  # too small to measure bandwidth: ignored
-    assert cost.measured_links() == {}
+    assert cost.measured().link_bytes_per_s == {}
     cost.observe_transfer("p0", "d0", 10**7, 0.1)
     assert cost.link_rate("p0", "d0", same_node=False) == 1e8  # measured beats the node prior
     cost.forget("d0")
-    assert cost.measured_links() == {}
+    assert cost.measured().link_bytes_per_s == {}
 
 
 def test_a_backed_up_prefill_pool_sends_a_longer_prompt_local_when_the_saving_outweighs_the_stall():
