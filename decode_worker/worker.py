@@ -418,7 +418,7 @@ class DecodeWorker:
             by_owner.setdefault(owner_of(d.request_id), []).append(d)
         with self._outbox_lock:
             for owner, deltas in by_owner.items():
-                part = StepOutput(out.step, out.time, deltas, out.load)
+                part = StepOutput(out.step, out.time, deltas, out.load, out.stats)
                 if owner in self._outboxes:
                     loop, queue = self._outboxes[owner]
                     loop.call_soon_threadsafe(queue.put_nowait, part)

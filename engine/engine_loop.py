@@ -137,7 +137,8 @@ class EngineLoop:
                                   error="the sequence outgrew the whole KV cache")
                        for r in out.finished]
             if deltas:
-                self.on_step(StepOutput(self._steps, time.time(), deltas, self.engine.load()))
+                self.on_step(StepOutput(self._steps, time.time(), deltas, self.engine.load(),
+                                        self.engine.last_step))
 
     def _hook_for(self, out: SchedulerOutput) -> LayerHook:
         """Every layer stamps progress, then runs the worker's own hook for this step (if any)."""

@@ -16,7 +16,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig, Speculativ
 from engine.hub import log, resolve_model
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
-from engine.messages import EngineLoad, LoadReport
+from engine.messages import EngineLoad, LoadReport, StepStats
 from engine.model_runner import ModelRunner
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.request import FinishReason, Request, RequestStatus
@@ -87,6 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.block_size, config.speculative)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self._ids = itertools.count()
+        self.last_step: StepStats | None = None  # what the latest step that ran anything computed
         log(f"loaded {config.model} ({model_config.num_params / 1e6:.0f}M params, {self.dtype}, "
             f"{self.device}) with {num_blocks} KV blocks of {config.cache.block_size} tokens "
             f"in {time.perf_counter() - t0:.1f}s")
@@ -177,8 +178,18 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return out, []
+        t0 = time.perf_counter()
         logits = self.runner.execute(out, layer_hook_for(out) if layer_hook_for else None)
-        return out, self.scheduler.update(out, sample_chunks(logits, out.chunks))
+        # each chunk's prompt tokens (0 for a decode row), counted before `update` advances the requests
+        prompt_tokens = [max(0, min(c.end, c.request.num_prompt_tokens) - c.start) for c in out.chunks]
+        advanced = self.scheduler.update(out, sample_chunks(logits, out.chunks))
+        seconds = time.perf_counter() - t0
+        total = out.num_tokens
+        for c, n in zip(out.chunks, prompt_tokens):
+            if n:
+                c.request.prefill_compute_s += seconds * c.num_tokens / total
+        self.last_step = StepStats(seconds, sum(prompt_tokens), sum(1 for n in prompt_tokens if not n))
+        return out, advanced
 
     def output(self, req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),

@@ -46,12 +46,23 @@ class TokenDelta:
     error: str | None = None  # why, when finish_reason is "error"
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step computed, so the router's cost model can tell a decode step from one that also
+    carried prompt chunks (a local prefill on a decode worker rides its decode steps)."""
+
+    seconds: float  # the step's model pass and sampling
+    num_prefill_tokens: int  # prompt tokens it computed
+    num_decode_seqs: int  # sequences it decoded (a token each, drafts aside)
+
+
 @dataclass
 class StepOutput:
     step: int  # the engine step that produced these deltas; 0 for deltas sent between steps
     time: float  # when the step's tokens were sampled (time.time(), comparable across processes)
     deltas: list[TokenDelta] = field(default_factory=list)
     load: EngineLoad | None = None
+    stats: StepStats | None = None  # None for deltas sent between steps
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,9 @@ class FirstToken:
     num_cached_tokens: int  # prompt tokens the prefill worker's prefix cache served
     scheduled_at: float  # time.time() of the prompt's first chunk
     sampled_at: float
+    # seconds of engine steps spent on the prompt: each step's time shared among the prompts it computed by
+    # token count (a prompt sharing its steps with others took less of the worker than scheduled -> sampled)
+    compute_s: float = 0.0
 
 
 @dataclass

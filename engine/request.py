@@ -59,6 +59,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of all tokens
     num_new_tokens: int = 0  # tokens the last step appended (more than one when drafts were accepted)
+    # engine step seconds spent on the prompt, each step's time shared among its chunks by token count
+    prefill_compute_s: float = 0.0
     # prefill worker: stop after the first token and hold the blocks (SENDING_KV) until the KV has shipped
     prefill_only: bool = False
 

@@ -209,8 +209,8 @@ class PrefillWorker:
             req = job.request
             stop = req.check_stop()
             _put(job, FirstToken(req.request_id, req.output_token_ids[0],
-                                        None if stop is None else FINISH_REASONS[stop].value, req.num_cached_tokens,
-                                        job.scheduled_at, job.sampled_at))
+                                 None if stop is None else FINISH_REASONS[stop].value, req.num_cached_tokens,
+                                 job.scheduled_at, job.sampled_at, req.prefill_compute_s))
             if not job.transfer_open:  # nothing to send: done as soon as sampled
                 self._finish(job, None)
 

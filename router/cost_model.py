@@ -5,9 +5,13 @@
     admit(D)               = one of D's decode steps, at its batch + 1                 [seconds, per worker]
 
 Every rate is an exponentially weighted mean of observations (`observe_*`): a prefill's uncached tokens over
-the time from its first chunk to its first token; a KV transfer's bytes over its duration; a decode worker's
-step time, fitted as a line against the sequences in its batch (so a busier worker's step is priced as
-longer before it has run at that batch). Until a worker or a pair has been measured, a stand-in counts:
+the engine time spent on them (its share of the steps that computed it, not the wall time from its first
+chunk to its first token, which counts the prompts it shared those steps with); a KV transfer's bytes over
+its duration; a decode worker's step time, fitted as a line against the sequences in its batch (so a busier
+worker's step is priced as longer before it has run at that batch). A decode worker's own prefill rate is
+what a prompt chunk adds to the step it rides: the step's time less the fit's decode step at that batch
+(a step that carried prompt tokens is never fitted as a decode step). Until a worker or a pair has been
+measured, a stand-in counts:
 for a prefill rate, the mean of the workers measured so far; else a prior (a pair on one node is assumed
 faster than one across nodes). Once measured, only measurements count.
 
@@ -31,7 +35,10 @@ class CostPriors:
     same_node_bytes_per_s: float = 2e9
     cross_node_bytes_per_s: float = 2e8
     decode_step_s: float = 0.05
-    alpha: float = 0.2  # weight of each new observation
+    alpha: float = 0.2  # weight of each new prefill and transfer observation
+    # weight of each decode step in its worker's fit: steps come tens per second, so this keeps about a
+    # second of them on a CPU (0.2 kept five, and one noisy step moved the price of the next placement)
+    step_alpha: float = 0.05
     # NOTE: a small transfer's time is the link's latency and per-message costs, not its bandwidth (a 100 KB
     # one measured a fast local link as slower than the prior for a cross-node one): only transfers of at
     # least this many bytes rate a link
@@ -41,8 +48,9 @@ class CostPriors:
         for name in ("prefill_tokens_per_s", "same_node_bytes_per_s", "cross_node_bytes_per_s", "decode_step_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 < self.alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        for name in ("alpha", "step_alpha"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 @dataclass
@@ -114,12 +122,22 @@ class CostModel:
         if num_bytes >= self.priors.min_rated_transfer_bytes and seconds > 0:
             self._link.setdefault((src, dst), _Ewma()).observe(num_bytes / seconds, self.priors.alpha)
 
-    def observe_step(self, worker_id: str, seconds: float, num_running: int = 1) -> None:
-        """A decode step of `worker_id` took `seconds` with `num_running` sequences in its batch."""
-        if seconds > 0:
-            fit = self._step.get(worker_id) or _LinearFit()
-            fit.observe(num_running, seconds, self.priors.alpha)
-            self._step[worker_id] = fit  # (inserted once observed: a scrape never sees an empty fit)
+    def observe_step(self, worker_id: str, seconds: float, num_running: int = 1, num_prefill_tokens: int = 0) -> None:
+        """A step of decode worker `worker_id` took `seconds` decoding `num_running` sequences and computing
+        `num_prefill_tokens` prompt tokens (a local prefill's chunk)."""
+        if seconds <= 0:
+            return
+        fit = self._step.get(worker_id)
+        if num_prefill_tokens:
+            # NOTE: the chunk's cost is what it added to a decode step at this batch; before any decode
+            # step was seen there is nothing to subtract, and noise can make the difference vanish
+            extra = seconds - fit.predict(num_running) if fit is not None and num_running else seconds
+            if extra > 0:
+                self.observe_prefill(worker_id, num_prefill_tokens, extra)
+            return
+        fit = fit or _LinearFit()
+        fit.observe(num_running, seconds, self.priors.step_alpha)
+        self._step[worker_id] = fit  # (inserted once observed: a scrape never sees an empty fit)
 
     def forget(self, worker_id: str) -> None:
         """A worker left: drop what was learned about it and its links."""

@@ -398,7 +398,6 @@ class Router:
             state.pool = worker.kind.value
             state.placement = "local" if worker.kind is PoolKind.DECODE else "colocated"
         state.prefill_worker = state.decode_worker = worker.worker_id
-        submitted = time.time()
         try:
             await worker.client.submit(att.key, att.prompt, att.params, self.config.call_timeout_s)
         except WorkerError as e:
@@ -406,11 +405,11 @@ class Router:
         while True:
             delta = await self._next_delta(att, worker)
             if state.phase is Phase.PREFILLING:
-                now = time.time()
+                # NOTE: the cost model learns this worker's prefill rate from its step stream, where it can
+                # tell the prompt's chunks from the decode steps they rode (`_consume_steps`)
                 if first_attempt:
-                    state.timing.queue = now - state.arrival  # the engine queues and prefills in one
+                    state.timing.queue = time.time() - state.arrival  # the engine queues and prefills in one
                     state.num_cached_tokens = delta.num_cached_tokens
-                self.cost.observe_prefill(worker.worker_id, len(att.prompt) - delta.num_cached_tokens, now - submitted)
                 state.to(Phase.DECODING)
             att.num_output += len(delta.token_ids)
             yield RouterEvent(list(delta.token_ids), delta.finish_reason, first=not state.generated)
@@ -444,7 +443,7 @@ class Router:
                     prefill.inflight_prefill_tokens -= att.prefill_tokens
                     queued = False
                     self.cost.observe_prefill(prefill.worker_id, len(att.prompt) - item.num_cached_tokens,
-                                              item.sampled_at - item.scheduled_at)
+                                              item.compute_s or item.sampled_at - item.scheduled_at)
                     if first:
                         t = state.timing
                         t.queue, t.prefill = item.scheduled_at - state.arrival, item.sampled_at - item.scheduled_at
@@ -737,9 +736,10 @@ class Router:
         last = None  # the previous step's output: back-to-back steps time the worker's decode step
         try:
             async for out in worker.client.steps():
-                if out.step and last is not None and out.step == last.step + 1 and last.load is not None \
-                        and last.load.num_running:
-                    self.cost.observe_step(worker.worker_id, out.time - last.time, last.load.num_running)
+                if out.step and last is not None and out.step == last.step + 1 and out.stats is not None:
+                    st = out.stats
+                    self.cost.observe_step(worker.worker_id, out.time - last.time, st.num_decode_seqs,
+                                           st.num_prefill_tokens)
                 last = out if out.step else last
                 if out.load is not None:
                     self.apply_report(worker, LoadReport(worker.worker_id, out.load))

@@ -233,3 +233,26 @@ def test_a_sequence_whose_kv_came_from_elsewhere_ages_like_any_prompt_once_preem
     short = engine.add_request(PROMPT[:12], greedy(1, ignore_eos=True))
     out = sched.schedule()
     assert [c.request for c in out.chunks][:2] == [moved, short]  # the older first, though it is longer
+
+
+def test_a_step_reports_what_it_computed_and_shares_its_time_among_the_prompts_it_computed():
+    engine = make_engine(max_num_batched_tokens=64)
+    decoding = engine.add_request(PROMPT[40:60], greedy(8, ignore_eos=True))  # shares no block with PROMPT
+    engine.step()  # its prompt, alone
+    assert engine.last_step.num_prefill_tokens == 20 and engine.last_step.num_decode_seqs == 0
+    assert decoding.prefill_compute_s == pytest.approx(engine.last_step.seconds)
+    own = decoding.prefill_compute_s
+    long = engine.add_request(PROMPT, greedy(1, ignore_eos=True))
+    short = engine.add_request(PROMPT[:10][::-1], greedy(1, ignore_eos=True))
+    shares = {long.request_id: 0.0, short.request_id: 0.0}
+    while not (long.output_token_ids and short.output_token_ids):  # FIFO: 63 prompt tokens + 1 decode row a step
+        out, _ = engine.step()
+        st = engine.last_step
+        assert st.num_decode_seqs == 1 and st.num_prefill_tokens == out.num_tokens - 1
+        for c in out.chunks:
+            if c.request.request_id in shares:
+                shares[c.request.request_id] += st.seconds * c.num_tokens / out.num_tokens
+    assert long.prefill_compute_s == pytest.approx(shares[long.request_id])
+    assert short.prefill_compute_s == pytest.approx(shares[short.request_id])
+    assert 0 < short.prefill_compute_s < long.prefill_compute_s
+    assert decoding.prefill_compute_s == own  # its decode rows add nothing to its prompt's time

@@ -209,8 +209,8 @@ def test_the_cost_model_is_exported_as_measured_and_forgets_a_worker_that_left()
     assert value(m, "pdserve_cost_prefill_tokens_per_second", worker="prefill-0") == 1024
     assert value(m, "pdserve_cost_link_bytes_per_second", src="prefill-0", dst="decode-0") == 400 << 20
     assert value(m, "pdserve_cost_decode_step_seconds", worker="decode-0") == 0.04
-    cost.observe_step("decode-0", 0.09)  # read at scrape time: the mean moves (the older step weighs 0.8)
-    assert value(m, "pdserve_cost_decode_step_seconds", worker="decode-0") == pytest.approx((0.8 * 0.04 + 0.09) / 1.8)
+    cost.observe_step("decode-0", 0.09)  # read at scrape time: the mean moves (the older step weighs 0.95)
+    assert value(m, "pdserve_cost_decode_step_seconds", worker="decode-0") == pytest.approx((0.95 * 0.04 + 0.09) / 1.95)
     assert value(m, "pdserve_cost_decode_step_per_sequence_seconds", worker="decode-0") == 0.0  # one batch size
     cost.forget("decode-0")
     assert m.registry.get_sample_value("pdserve_cost_decode_step_seconds", {"model": MODEL, "worker": "decode-0"}) is None

@@ -158,7 +158,24 @@ def test_a_decode_step_is_fitted_against_its_batch_and_priced_at_the_batch_a_req
     # noise that slopes downwards is no reason to price a busier worker cheaper
     cost.observe_step("d2", 0.05, 1)
     cost.observe_step("d2", 0.04, 8)
-    assert cost.step_time("d2", 8) == cost.step_time("d2", 1) == pytest.approx((0.8 * 0.05 + 0.04) / 1.8)
+    assert cost.step_time("d2", 8) == cost.step_time("d2", 1) == pytest.approx((0.95 * 0.05 + 0.04) / 1.95)
+
+
+def test_a_step_that_carried_a_prompt_chunk_prices_the_chunk_and_is_not_fitted_as_a_decode_step():
+    cost = CostModel(BYTES_PER_TOKEN)
+    for _ in range(50):  # 30 ms at one sequence, 70 ms at nine
+        cost.observe_step("d0", 0.03, 1)
+        cost.observe_step("d0", 0.07, 9)
+    cost.observe_step("d0", 0.05 + 0.064, 5, num_prefill_tokens=64)  # a 64-token chunk added 64 ms at 5
+    assert cost.step_time("d0", 5) == pytest.approx(0.05)  # the decode fit did not see it
+    assert cost.prefill_rate("d0") == pytest.approx(1000)  # the chunk's own cost, not the whole step's
+    assert cost.local_budget_tokens("d0") == pytest.approx(1000 * cost.step_time("d0"), abs=1)
+    cost.observe_step("d0", 0.045, 5, num_prefill_tokens=64)  # faster than the fit's decode step: noise
+    assert cost.prefill_rate("d0") == pytest.approx(1000)
+    # a worker not yet seen decoding: the whole step is the chunk's, and still no decode step is fitted
+    cost.observe_step("d1", 0.1, 3, num_prefill_tokens=100)
+    assert cost.prefill_rate("d1") == pytest.approx(1000)
+    assert "d1" not in cost.measured().decode_step_s
 
 
 def test_a_decode_worker_is_priced_at_the_batch_it_runs_now_not_the_batches_it_ran_lately():
