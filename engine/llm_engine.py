@@ -175,10 +175,10 @@ class LLMEngine:
         """One engine step. Returns what was scheduled and the requests that got a token (see
         `Scheduler.update`). `layer_hook_for` sees the step's schedule before the model runs and may return
         a hook called after each layer's KV is written (the prefill worker's layer-wise KV push)."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.chunks:
             return out, []
-        t0 = time.perf_counter()
         logits = self.runner.execute(out, layer_hook_for(out) if layer_hook_for else None)
         # each chunk's prompt tokens (0 for a decode row), counted before `update` advances the requests
         prompt_tokens = [max(0, min(c.end, c.request.num_prompt_tokens) - c.start) for c in out.chunks]

@@ -51,7 +51,7 @@ class StepStats:
     """What one engine step computed, so the router's cost model can tell a decode step from one that also
     carried prompt chunks (a local prefill on a decode worker rides its decode steps)."""
 
-    seconds: float  # the step's model pass and sampling
+    seconds: float  # the step: scheduling, the model pass and sampling
     num_prefill_tokens: int  # prompt tokens it computed
     num_decode_seqs: int  # sequences it decoded (a token each, drafts aside)
 

@@ -4,16 +4,15 @@
     transfer(P -> D, b)    = b / the pair's link rate                                  [bytes/s, per pair]
     admit(D)               = one of D's decode steps, at its batch + 1                 [seconds, per worker]
 
-Every rate is an exponentially weighted mean of observations (`observe_*`): a prefill's uncached tokens over
-the engine time spent on them (its share of the steps that computed it, not the wall time from its first
-chunk to its first token, which counts the prompts it shared those steps with); a KV transfer's bytes over
-its duration; a decode worker's step time, fitted as a line against the sequences in its batch (so a busier
-worker's step is priced as longer before it has run at that batch). A decode worker's own prefill rate is
-what a prompt chunk adds to the step it rides: the step's time less the fit's decode step at that batch
-(a step that carried prompt tokens is never fitted as a decode step). Until a worker or a pair has been
-measured, a stand-in counts:
-for a prefill rate, the mean of the workers measured so far; else a prior (a pair on one node is assumed
-faster than one across nodes). Once measured, only measurements count.
+Every rate is a ratio of exponentially weighted sums (`observe_*`): a prefill's uncached tokens over the
+engine time spent on them (its share of the steps that computed it, not the wall time from its first chunk
+to its first token, which counts the prompts it shared those steps with); a KV transfer's bytes over its
+duration. A decode worker's step time is fitted as a line against the sequences in its batch (so a busier
+worker's step is priced as longer before it has run at that batch), and its own prefill rate is what a
+prompt chunk adds to the step it rides: that step's time less the fitted decode step at its batch (a step
+that carried prompt tokens is never fitted as a decode step). Until a worker or a pair has been measured,
+a stand-in counts: for a prefill rate, the mean of the workers measured so far; else a prior (a pair on
+one node is assumed faster than one across nodes). Once measured, only measurements count.
 
 These feed `placement.choose_path`: the (prefill, decode) pair with the lowest estimated time until the
 request decodes, or the decode worker itself when prefilling there is cheaper and the stall it puts on
@@ -54,11 +53,21 @@ class CostPriors:
 
 
 @dataclass
-class _Ewma:
-    value: float | None = None
+class _Rate:
+    """Amount per second as a ratio of two exponentially weighted sums (each observation's weight decays by
+    (1 - alpha) per newer one): a long observation counts for more than a short one, and one noisy small
+    one (a 48-token prompt in a step the neighbour slowed) cannot swing it as a mean of rates would."""
 
-    def observe(self, x: float, alpha: float) -> None:
-        self.value = x if self.value is None else (1 - alpha) * self.value + alpha * x
+    amount: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, amount: float, seconds: float, alpha: float) -> None:
+        self.amount = (1 - alpha) * self.amount + amount
+        self.seconds = (1 - alpha) * self.seconds + seconds
+
+    @property
+    def value(self) -> float | None:
+        return self.amount / self.seconds if self.seconds > 0 else None
 
 
 @dataclass
@@ -107,8 +116,8 @@ class Measured:
 class CostModel:
     bytes_per_token: int  # KV bytes one token takes on the wire (every layer, K and V)
     priors: CostPriors = field(default_factory=CostPriors)
-    _prefill: dict[str, _Ewma] = field(default_factory=dict)
-    _link: dict[tuple[str, str], _Ewma] = field(default_factory=dict)
+    _prefill: dict[str, _Rate] = field(default_factory=dict)  # prompt tokens per second
+    _link: dict[tuple[str, str], _Rate] = field(default_factory=dict)  # bytes per second
     _step: dict[str, _LinearFit] = field(default_factory=dict)  # step seconds against running sequences
 
     # -- observations -----------------------------------------------------------------------------------
@@ -116,11 +125,11 @@ class CostModel:
     def observe_prefill(self, worker_id: str, num_tokens: int, seconds: float) -> None:
         # NOTE: tiny prompts measure fixed overheads, not throughput: only chunks worth a rate count
         if num_tokens >= 32 and seconds > 0:
-            self._prefill.setdefault(worker_id, _Ewma()).observe(num_tokens / seconds, self.priors.alpha)
+            self._prefill.setdefault(worker_id, _Rate()).observe(num_tokens, seconds, self.priors.alpha)
 
     def observe_transfer(self, src: str, dst: str, num_bytes: int, seconds: float) -> None:
         if num_bytes >= self.priors.min_rated_transfer_bytes and seconds > 0:
-            self._link.setdefault((src, dst), _Ewma()).observe(num_bytes / seconds, self.priors.alpha)
+            self._link.setdefault((src, dst), _Rate()).observe(num_bytes, seconds, self.priors.alpha)
 
     def observe_step(self, worker_id: str, seconds: float, num_running: int = 1, num_prefill_tokens: int = 0) -> None:
         """A step of decode worker `worker_id` took `seconds` decoding `num_running` sequences and computing
@@ -154,16 +163,16 @@ class CostModel:
 
         NOTE: an unmeasured worker must not look faster than measured ones by the prior's optimism alone: the
         router would then send a prompt away from the worker that caches its prefix to a cold one."""
-        ewma = self._prefill.get(worker_id)
-        if ewma is not None and ewma.value:
-            return ewma.value
+        rate = self._prefill.get(worker_id)
+        if rate is not None and rate.value:
+            return rate.value
         measured = [e.value for e in self._prefill.values() if e.value]
         return sum(measured) / len(measured) if measured else self.priors.prefill_tokens_per_s
 
     def link_rate(self, src: str, dst: str, same_node: bool) -> float:
-        ewma = self._link.get((src, dst))
-        if ewma is not None and ewma.value:
-            return ewma.value
+        rate = self._link.get((src, dst))
+        if rate is not None and rate.value:
+            return rate.value
         return self.priors.same_node_bytes_per_s if same_node else self.priors.cross_node_bytes_per_s
 
     def step_time(self, worker_id: str, num_running: int | None = None) -> float:

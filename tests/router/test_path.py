@@ -107,8 +107,13 @@ def test_the_model_learns_and_forgets():
     cost.observe_prefill("p0", 8, 1.0)  # too small to measure throughput: ignored
     assert cost.prefill_rate("p0") == 1000
     cost.observe_prefill("p0", 3000, 1.0)
-    assert cost.prefill_rate("p0") == 2000  # EWMA
-    assert cost.prefill_rate("p1") == 2000  # unmeasured: the measured workers' mean, not the prior
+    assert cost.prefill_rate("p0") == pytest.approx(3500 / 1.5)  # weighted sums: (0.5 x 1000 + 3000) tokens
+    assert cost.prefill_rate("p1") == cost.prefill_rate("p0")  # unmeasured: the measured workers' mean
+    # a long observation weighs as much as its seconds: one quick noisy prompt cannot swing the rate
+    cost.observe_prefill("p0", 2000, 2.0)
+    cost.observe_prefill("p0", 100, 0.01)  # 10,000 tokens/s for 10 ms (a mean of rates would jump to ~6,000)
+    assert cost.prefill_rate("p0") == pytest.approx((0.25 * 3500 + 0.5 * 2000 + 100) / (0.25 * 1.5 + 0.5 * 2 + 0.01))
+    assert cost.prefill_rate("p0") < 1500
     assert cost.link_rate("p0", "d0", same_node=True) > cost.link_rate("p0", "d0", same_node=False)
     cost.observe_transfer("p0", "d0", 10**5, 0.001)  # too small to measure bandwidth: ignored
     assert cost.measured().link_bytes_per_s == {}
