@@ -159,6 +159,8 @@ class LLMEngine:
             free_blocks=a.num_free_blocks,
             total_blocks=a.num_blocks,
             cached_blocks=a.num_cached_blocks,
+            reserved_blocks=sum(len(r.block_ids) for r in s.requests.values()
+                                if r.status == RequestStatus.WAITING_FOR_KV),
             spec=s.spec_stats,
         )
 

@@ -34,6 +34,9 @@ class EngineLoad:
     free_blocks: int
     total_blocks: int
     cached_blocks: int
+    # a decode worker's blocks held for prompts whose KV has not landed: reserved at placement, they sit
+    # idle while the prompt queues and prefills on a prefill worker
+    reserved_blocks: int = 0
     spec: SpecCounts = field(default_factory=SpecCounts)
 
 

@@ -122,6 +122,9 @@ class Metrics(RequestObserver):
                              load_labels, registry=r)
         self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "1 - free KV blocks / total KV blocks "
                               "(evictable prefix-cache blocks count as free).", load_labels, registry=r)
+        self.kv_reserved = Gauge("pdserve_kv_reserved_ratio", "KV blocks a decode worker holds for prompts whose "
+                                 "KV has not landed yet (reserved at placement, idle while the prompt queues "
+                                 "and prefills elsewhere) / total KV blocks.", load_labels, registry=r)
         # speculative decoding, from each decode/colocated worker's cumulative counts (see `on_report`):
         # acceptance = rate(accepted) / rate(draft); tokens per step = rate(decode tokens) / rate(seq steps)
         self.spec_draft = Counter("pdserve_spec_draft_tokens", "Draft tokens verified.", load_labels, registry=r)
@@ -246,6 +249,7 @@ class Metrics(RequestObserver):
         self.running.labels(*labels).set(load.num_running)
         self.waiting.labels(*labels).set(load.num_waiting)
         self.kv_usage.labels(*labels).set(1.0 - load.free_blocks / load.total_blocks if load.total_blocks else 0.0)
+        self.kv_reserved.labels(*labels).set(load.reserved_blocks / load.total_blocks if load.total_blocks else 0.0)
         self._on_spec_counts(labels, worker.worker_id, load.spec)
         known = self._workers.get(worker.kind.value)
         if known is not None and worker.worker_id not in known:
@@ -294,7 +298,7 @@ class Metrics(RequestObserver):
             self.workers_lost.labels(self.model, worker.kind.value).inc()
         labels = (self.model, worker.kind.value, worker.worker_id, worker.info.node_id)
         self._spec_seen.pop(worker.worker_id, None)
-        for gauge in (self.running, self.waiting, self.kv_usage):
+        for gauge in (self.running, self.waiting, self.kv_usage, self.kv_reserved):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
         self._workers.get(worker.kind.value, set()).discard(worker.worker_id)

@@ -20,8 +20,8 @@ def worker(worker_id: str, kind: PoolKind, node: str = "node-a", total: int = 10
 
 
 def report(worker_id: str, running: int, waiting: int, free: int, total: int = 100,
-           spec: SpecCounts | None = None) -> LoadReport:
-    return LoadReport(worker_id, EngineLoad(running, waiting, 0, free, total, 0, spec or SpecCounts()))
+           spec: SpecCounts | None = None, reserved: int = 0) -> LoadReport:
+    return LoadReport(worker_id, EngineLoad(running, waiting, 0, free, total, 0, reserved, spec or SpecCounts()))
 
 
 def request(rid: str, prompt: int = 32) -> ValidatedRequest:

@@ -40,6 +40,7 @@ EXPECTED = {
     "pdserve_num_requests_running": ("gauge", {"model", "pool", "worker", "node"}),
     "pdserve_num_requests_waiting": ("gauge", {"model", "pool", "worker", "node"}),
     "pdserve_kv_cache_usage_ratio": ("gauge", {"model", "pool", "worker", "node"}),
+    "pdserve_kv_reserved_ratio": ("gauge", {"model", "pool", "worker", "node"}),
     "pdserve_spec_draft_tokens": ("counter", {"model", "pool", "worker", "node"}),
     "pdserve_spec_accepted_tokens": ("counter", {"model", "pool", "worker", "node"}),
     "pdserve_decode_seq_steps": ("counter", {"model", "pool", "worker", "node"}),
@@ -159,11 +160,12 @@ def test_load_reports_set_per_worker_gauges_and_zero_failure_counters_per_pair()
     m = Metrics(MODEL)
     p, d = worker("prefill-0", PoolKind.PREFILL), worker("decode-0", PoolKind.DECODE, node="node-b")
     m.on_report(p, report("prefill-0", 1, 4, 100))
-    m.on_report(d, report("decode-0", 7, 0, 25))
+    m.on_report(d, report("decode-0", 7, 0, 25, reserved=30))
     labels = dict(pool="decode", worker="decode-0", node="node-b")
     assert value(m, "pdserve_num_requests_running", **labels) == 7
     assert value(m, "pdserve_num_requests_waiting", pool="prefill", worker="prefill-0", node="node-a") == 4
     assert value(m, "pdserve_kv_cache_usage_ratio", **labels) == 0.75
+    assert value(m, "pdserve_kv_reserved_ratio", **labels) == 0.30  # 30 of the 75 used wait for their KV
     pair = {"model": MODEL, "src": "prefill-0", "dst": "decode-0"}
     assert m.registry.get_sample_value("pdserve_kv_transfer_failures_total", pair) == 0.0
 
