@@ -7,10 +7,31 @@ requests (or two attempts of one request) never share state in any worker.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.block_hash import BlockHash
+
+
+def _fingerprint() -> str:
+    try:
+        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    except OSError:  # no source beside the bytecode: the package's version has to do
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return "pdserve-" + version("pdserve")
+        except PackageNotFoundError:
+            return "unknown"
+
+
+# NOTE: the router and its workers exchange these types pickled, so both must run this very module: a
+# worker started from other code (a node with another image, a checkout edited under a running
+# deployment) fails to unpickle, or worse, unpickles into other meanings. Each worker says which it runs
+# (`WorkerInfo.contract`) and the router refuses a stranger before it takes any traffic.
+CONTRACT = _fingerprint()
 
 
 @dataclass(frozen=True)
@@ -90,6 +111,7 @@ class WorkerInfo:
     kv_address: Any = None  # a decode worker's KV receiver address (kv_transfer.PeerAddress)
     pid: int = 0  # the actor's process (operators and the chaos tests signal it)
     kv_bytes_per_token: int = 0  # KV a token takes on the wire, every layer (placement's transfer cost)
+    contract: str = CONTRACT  # the worker's own build of this module (its default is read in the worker)
 
 
 @dataclass

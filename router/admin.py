@@ -97,6 +97,9 @@ class PoolAdmin:
         if num_workers < 1:
             raise AdminError("INVALID_ARGUMENT", f"num_workers: must be >= 1, got {num_workers} (a pool with no "
                              f"worker serves nothing; drain workers one by one to empty a node)")
+        if num_workers > self.pools.max_workers:
+            raise AdminError("INVALID_ARGUMENT", f"num_workers: at most {self.pools.max_workers} workers per pool, "
+                             f"got {num_workers} (raise the cap with pdserve serve --max-pool-size)")
         async with self._changing(kind):
             before = {w.worker_id for w in self.registry.live(kind)}
             serving = self.registry.schedulable(kind)

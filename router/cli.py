@@ -64,6 +64,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="prompt tokens queued per prefill worker before new requests get RESOURCE_EXHAUSTED")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request is placed again after a worker loss or a failed KV transfer")
+    p.add_argument("--max-pool-size", type=int, default=64,
+                   help="the most workers `pdserve scale` may ask of one pool (a larger request is refused "
+                        "with INVALID_ARGUMENT)")
     p.add_argument("--worker-timeout", type=float, default=10.0,
                    help="seconds without a heartbeat (or engine progress while busy) before a worker is "
                         "declared dead, killed and replaced")
@@ -163,7 +166,7 @@ def serve_config(args: argparse.Namespace):
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,
         prefill_chunk_tokens=args.prefill_chunk_tokens, decode_prefill_chunk_tokens=args.decode_prefill_chunk_tokens,
-        routers_spread=args.routers_spread)
+        routers_spread=args.routers_spread, max_pool_size=args.max_pool_size)
 
 
 def serve(args: argparse.Namespace) -> int:

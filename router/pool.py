@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.messages import LoadReport, WorkerInfo
+from engine.messages import CONTRACT, LoadReport, WorkerInfo
 from router.background import Background
 from router.placement import PoolKind, WorkerLoad
 from router.worker_client import Failure, RayWorkerClient, WorkerClient, WorkerError
@@ -169,8 +170,6 @@ def ray_launcher(kv_config: Any, lease_s: float, router_id: str = "",
     actor as soon as it is created, before it is ready."""
 
     async def launch(spec: PoolSpec, worker_id: str) -> WorkerClient:
-        import ray
-
         from decode_worker import DecodeWorker
         from prefill_worker import PrefillWorker
 
@@ -179,14 +178,26 @@ def ray_launcher(kv_config: Any, lease_s: float, router_id: str = "",
             name, namespace = detached_name(worker_id)
             options.update(lifetime="detached", name=name, namespace=namespace)
         if spec.kind is PoolKind.PREFILL:
-            actor = ray.remote(PrefillWorker).options(**options).remote(worker_id, spec.engine, kv_config)
+            actor = _actor_class(PrefillWorker).options(**options).remote(worker_id, spec.engine, kv_config)
         else:
             kv = None if spec.kind is PoolKind.COLOCATED else kv_config
-            actor = ray.remote(DecodeWorker).options(**options).remote(worker_id, spec.engine, kv, lease_s)
+            actor = _actor_class(DecodeWorker).options(**options).remote(worker_id, spec.engine, kv, lease_s)
         on_launch(worker_id, actor)
         return RayWorkerClient(worker_id, actor, router_id)
 
     return launch
+
+
+@functools.cache
+def _actor_class(cls: type) -> Any:
+    """`ray.remote(cls)`, made once per process.
+
+    NOTE: each `ray.remote(cls)` is a new actor class that Ray exports (pickles and disassembles) on its first
+    `.remote()`, about 70 ms on the event loop; made per start, `pdserve scale --prefill 40` froze every
+    stream for 3 s."""
+    import ray
+
+    return ray.remote(cls)
 
 
 class PoolManager:
@@ -194,21 +205,28 @@ class PoolManager:
 
     A lost worker (its node left, it crashed, it was declared dead) is replaced as soon as a new one can be
     placed: a node joining lets the pool grow back. Replacements not started yet stay pending (one per
-    missing worker), never piling up; one that fails to start is retried after an exponential backoff.
+    missing worker), never piling up; one that fails to start is retried after an exponential backoff. When a
+    pool's target drops below what it runs and starts, the newest replacement starts are cancelled (their
+    actors killed, even before a node could take them), so a start left over from a scale-up that outgrew
+    the cluster cannot take the resources another pool's replacement needs.
     """
 
     def __init__(self, specs: list[PoolSpec], registry: WorkerRegistry, launch: Launcher,
                  liveness: LivenessConfig | None = None,
                  on_report: Callable[[Worker, LoadReport], None] = lambda w, r: None,
                  on_heartbeat: Callable[[Worker], None] = lambda w: None,
-                 cache_cursor: Callable[[Worker], int] = lambda w: -1, follow: bool = False) -> None:
+                 cache_cursor: Callable[[Worker], int] = lambda w: -1, follow: bool = False,
+                 max_workers: int = 64) -> None:
         """`on_report` gets each worker's periodic load report, read from `cache_cursor(worker)` (the last
         prefix-cache change the router's index holds, see `Router.apply_report`).
 
         `follow`: the manager of a router replica that is not the lead (`router.replicas`). The lead starts,
         replaces and declares dead every worker and tells it which workers there are (`adopt`; `lose`);
-        this one only pings them (for its own leases' renewals) and reads their load."""
+        this one only pings them (for its own leases' renewals) and reads their load.
+
+        `max_workers`: the largest target a pool may be given (`PoolAdmin.scale` refuses more)."""
         self.specs = specs
+        self.max_workers = max_workers
         self.registry = registry
         self.launch = launch
         self.liveness = liveness or LivenessConfig()
@@ -223,6 +241,8 @@ class PoolManager:
         # how many schedulable workers each pool should have; `scale` changes it at run time
         self.targets: dict[PoolKind, int] = {spec.kind: spec.num_workers for spec in specs}
         self.pending: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
+        # the replacement starts `maintain` made and that have not ended, oldest first (cancellable)
+        self._starting: dict[PoolKind, list[asyncio.Task]] = {spec.kind: [] for spec in specs}
         self._next_index: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
         self._backoff: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
         self._retry_at: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
@@ -255,11 +275,20 @@ class PoolManager:
         while not self._stopping:
             now = time.monotonic()
             for spec in self.specs:
+                starting = self._starting[spec.kind]
+                starting[:] = [t for t in starting if not t.done()]
                 missing = (self.targets[spec.kind] - len(self.registry.schedulable(spec.kind))
                            - self.pending[spec.kind])
                 if missing > 0 and now >= self._retry_at[spec.kind] and self.authority():
                     for _ in range(missing):
-                        self._background.spawn(self._replace(spec))
+                        starting.append(self._background.spawn(self._replace(spec)))
+                elif missing < 0 and starting:  # the target dropped (scaled down) below what is coming
+                    excess = starting[missing:]
+                    del starting[missing:]
+                    logger.info("%s pool: target %d, cancelling %d worker start(s) no longer needed",
+                                spec.kind.value, self.targets[spec.kind], len(excess))
+                    for task in excess:
+                        task.cancel()
             await asyncio.sleep(self.liveness.interval_s)
 
     def adopt(self, info: WorkerInfo, client: WorkerClient, kind: PoolKind) -> Worker:
@@ -311,6 +340,11 @@ class PoolManager:
         try:
             client = await self.launch(spec, worker_id)
             info = await client.info()
+            if info.contract != CONTRACT:
+                raise RuntimeError(
+                    f"worker {worker_id} runs other pdserve code than this router (engine.messages "
+                    f"{info.contract} against {CONTRACT}): a node with another image or version, or a checkout "
+                    "changed under a running deployment. Run one build everywhere and restart the deployment")
         except BaseException:
             if client is not None:
                 with contextlib.suppress(Exception):

@@ -374,7 +374,7 @@ class FollowerServer(Server):
         self.pools = PoolManager(c.pool_specs(), self.registry, _no_launch,
                                  LivenessConfig(worker_timeout_s=c.worker_timeout), follow=True,
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
-                                 cache_cursor=self.router.cache_cursor)
+                                 cache_cursor=self.router.cache_cursor, max_workers=c.max_pool_size)
         for info, kind in list(self._known.values()):
             self.add_worker(info, kind)
         if self.shared.failover:

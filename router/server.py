@@ -36,6 +36,7 @@ from router.router import Router, RouterConfig
 from router.security import ApiKeyInterceptor, TLSConfig
 from router.servicer import GenerationServicer
 from router.validation import Limits
+from router.wire import add_parsing_safely
 
 logger = logging.getLogger("pdserve")
 SERVICE = "pdserve.v1.Generation"
@@ -92,6 +93,7 @@ class ServeConfig:
     api_key: str | None = field(default=None, repr=False)  # every call but health needs "Bearer <key>"
     routers: int = 1  # router replicas sharing --port (and --http-port) over the same pools
     routers_spread: bool = False  # place the other replicas over the nodes, not on this one
+    max_pool_size: int = 64  # the most workers `pdserve scale` may ask of one pool
 
     def __post_init__(self) -> None:
         for name in ("prefill_workers", "decode_workers", "colocated_workers"):
@@ -128,6 +130,9 @@ class ServeConfig:
                              f"{self.prefill_chunk_tokens}")
         if self.routers < 1:
             raise ValueError(f"--routers must be >= 1, got {self.routers}")
+        if self.max_pool_size < max(1, self.prefill_workers, self.decode_workers, self.colocated_workers):
+            raise ValueError(f"--max-pool-size must be >= 1 and hold every pool's starting size, got "
+                             f"{self.max_pool_size}")
         if self.shutdown_grace < 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace}")
         if self.migration_limit < 0:
@@ -284,11 +289,11 @@ class Server:
         # silently take half its connections: only router replicas share a port
         self.grpc = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None,
                                     options=[("grpc.so_reuseport", 1 if c.routers > 1 else 0)])
-        pb_grpc.add_GenerationServicer_to_server(servicer, self.grpc)
+        add_parsing_safely(pb_grpc.add_GenerationServicer_to_server, servicer, self.grpc)
         # NOTE: the operator API shares the port, so the API key and TLS guard it exactly as they guard
         # generation: there is no unprotected side door
         self.admin_servicer = self._admin_servicer()
-        admin_pb2_grpc.add_AdminServicer_to_server(self.admin_servicer, self.grpc)
+        add_parsing_safely(admin_pb2_grpc.add_AdminServicer_to_server, self.admin_servicer, self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
@@ -364,7 +369,7 @@ class Server:
         self.pools = PoolManager(c.pool_specs(), self.registry, launch,
                                  LivenessConfig(worker_timeout_s=c.worker_timeout),
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
-                                 cache_cursor=self.router.cache_cursor)
+                                 cache_cursor=self.router.cache_cursor, max_workers=c.max_pool_size)
         await self.pools.start()
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         self.admin = self.admin_servicer.admin = PoolAdmin(self.router, self.pools)

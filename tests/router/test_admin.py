@@ -189,6 +189,10 @@ def test_admin_refusals_name_the_problem():
             with pytest.raises(AdminError) as e:
                 await d.admin.scale(PoolKind.DECODE, 0)
             assert e.value.code == "INVALID_ARGUMENT" and "num_workers" in str(e.value)
+            with pytest.raises(AdminError) as e:  # a typo of 100000 must not start 100000 actors
+                await d.admin.scale(PoolKind.PREFILL, 100_000)
+            assert e.value.code == "INVALID_ARGUMENT" and "at most 64" in str(e.value)
+            assert d.pools.targets[PoolKind.PREFILL] == 1 and d.pools.pending[PoolKind.PREFILL] == 0
             with pytest.raises(AdminError) as e:
                 await d.admin.scale(PoolKind.COLOCATED, 2)
             assert e.value.code == "INVALID_ARGUMENT" and "no colocated pool" in str(e.value)
@@ -207,6 +211,38 @@ def test_admin_refusals_name_the_problem():
             assert e.value.code == "ABORTED"
             await slow
             assert d.serving() == ["decode-0", "decode-1", "decode-2"]
+
+    run(go())
+
+
+def test_scaling_down_cancels_starts_the_cluster_could_not_place_so_a_lost_worker_is_replaced():
+    """A scale-up that outgrew the cluster leaves a start waiting for room; scaling back down cancels it, so it
+    cannot take the room a lost worker's replacement needs once room frees (it used to, and the prefill
+    pool stayed empty)."""
+
+    async def go():
+        async with Deployment() as d:
+            d.start_s = 60.0  # no node can take another worker: its start waits
+            with pytest.raises(AdminError) as e:
+                await d.admin.scale(PoolKind.DECODE, 2, timeout_s=0.3)
+            assert e.value.code == "DEADLINE_EXCEEDED"
+            assert d.pools.pending[PoolKind.DECODE] == 1
+            await d.admin.scale(PoolKind.DECODE, 1)
+            for _ in range(100):
+                if d.pools.pending[PoolKind.DECODE] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert d.pools.pending[PoolKind.DECODE] == 0, "the start no longer needed is still waiting"
+            d.start_s = 0.05  # room again: only the lost prefill worker's replacement may take it
+            d.fakes["prefill-0"].kill()
+            d.registry.lose(d.registry.get("prefill-0"), "killed by the test")
+            for _ in range(100):
+                if d.serving(PoolKind.PREFILL):
+                    break
+                await asyncio.sleep(0.02)
+            assert d.serving(PoolKind.PREFILL) == ["prefill-1"] and d.serving() == ["decode-0"]
+            assert d.pools.pending == {PoolKind.PREFILL: 0, PoolKind.DECODE: 0}
+            assert "decode-1" not in d.fakes  # its launch never got to create a worker
 
     run(go())
 

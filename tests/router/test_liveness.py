@@ -4,6 +4,9 @@ declared dead, killed and replaced; a transient unavailability is not death; fai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+
+import pytest
 
 from engine.config import EngineConfig
 from engine.messages import Heartbeat
@@ -22,6 +25,7 @@ class Fleet:
         self.started: dict[str, FakeWorker] = {}
         self.fail_starts = 0
         self.attempts = 0
+        self.contract: str | None = None  # set: the next workers run other code (their engine.messages)
 
     async def launch(self, spec: PoolSpec, worker_id: str) -> FakeWorker:
         self.attempts += 1
@@ -29,6 +33,9 @@ class Fleet:
             self.fail_starts -= 1
             raise RuntimeError("no node offers the pool's resources")
         w = self.started[worker_id] = FakeWorker(worker_id, spec.kind)
+        if self.contract is not None:
+            info = dataclasses.replace(w.describe(), contract=self.contract)
+            w.describe = lambda: info
         return w
 
 
@@ -137,6 +144,31 @@ def test_failed_replacements_back_off_exponentially_and_the_pool_grows_back():
         await until(lambda: len(registry.live(PoolKind.DECODE)) == 1, timeout=10)
         # four failures waited 0.05 + 0.1 + 0.2 + 0.2 s: far fewer tries than one per 20 ms tick
         assert fleet.attempts == 1 + 4 + 1
+        maintain.cancel()
+        await pm.close()
+
+    asyncio.run(go())
+
+
+def test_a_worker_running_other_code_is_refused_killed_and_its_replacement_backs_off():
+    """The router and its workers exchange pickled `engine.messages` types: a worker from another build (a
+    node with another image, a checkout edited under a running deployment) is refused at its start, before
+    it takes traffic, instead of failing every stream it is given and being replaced in a tight loop."""
+
+    async def go():
+        fleet = Fleet()
+        fleet.contract = "0123456789ab"
+        pm, registry, _ = manager(fleet, 1)
+        with pytest.raises(RuntimeError, match="other pdserve code than this router.*0123456789ab"):
+            await pm.start()
+        assert fleet.started["decode-0"].killed and not registry.live()
+        maintain = asyncio.ensure_future(pm.maintain())
+        await asyncio.sleep(0.5)
+        # refused again and again, but backing off: 0.05 + 0.1 + 0.2 + 0.2 s, not a start every 20 ms tick
+        assert 2 <= fleet.attempts <= 6 and not registry.live()
+        assert all(w.killed for w in fleet.started.values())
+        fleet.contract = None  # the deployment runs one build again: the pool fills
+        await until(lambda: len(registry.live(PoolKind.DECODE)) == 1, timeout=5)
         maintain.cancel()
         await pm.close()
 
