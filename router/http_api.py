@@ -60,6 +60,14 @@ _PARAM_OF_FIELD = {"sampling.max_tokens": "max_tokens", "sampling.temperature": 
                    "messages.messages": "messages", "input": "prompt", "request_id": "user"}
 
 
+def _openai_param(field: str) -> str:
+    """The OpenAI parameter a proto field path came from: "sampling.top_p" -> "top_p",
+    "messages.messages[2].role" -> "messages[2].role"."""
+    if field.startswith("messages.messages["):
+        return field.removeprefix("messages.")
+    return _PARAM_OF_FIELD.get(field, field.split(".")[-1])
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -146,7 +154,7 @@ class HttpDoor:
         try:
             req = validate_request(grpc_req, self.limits, self.tokenizer)
         except InvalidArgument as e:
-            param = _PARAM_OF_FIELD.get(e.field, e.field.split(".")[-1])
+            param = _openai_param(e.field)
             raise ApiError(400, f"{param}: {e.message}", param=param) from e
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -166,7 +174,8 @@ class HttpDoor:
         if unknown:
             raise ApiError(400, f"unsupported parameter(s): {', '.join(unknown)}", param=unknown[0],
                            code="unsupported_parameter")
-        model = body.get("model")
+        # NOTE: as vLLM does, a request that names no model gets the one this server serves
+        model = body.get("model", self.model_name)
         if model != self.model_name:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
@@ -198,7 +207,10 @@ class HttpDoor:
             param = "max_completion_tokens" if use_completion else "max_tokens"
             if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
                 raise ApiError(400, f"{param}: must be an integer >= 1, got {max_tokens!r}", param=param)
-            s.max_tokens = min(max_tokens, 2**32 - 1)
+            if max_tokens >= 2**32:  # the proto field's range; said here, or the message would name the clamp
+                raise ApiError(400, f"{param}: must be at most the context length {self.limits.max_model_len}, "
+                               f"got {max_tokens}", param=param)
+            s.max_tokens = max_tokens
         for name in ("temperature", "top_p"):
             value = _typed(body, name, (int, float), None)
             if value is not None:

@@ -5,7 +5,9 @@ text and token counts, OpenAI's error shapes, and a disconnect that frees every 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import urllib.request
 
 import openai
 import pytest
@@ -95,6 +97,7 @@ def test_errors_have_openais_status_and_shape(server):
         (dict(model=MODEL, prompt="a", logprobs=2), openai.BadRequestError, "logprobs", "unsupported_parameter"),
         (dict(model=MODEL, prompt="a", max_tokens=0), openai.BadRequestError, "max_tokens", None),
         (dict(model=MODEL, prompt="a", max_tokens=10**6), openai.BadRequestError, "max_tokens", None),
+        (dict(model=MODEL, prompt="a", max_tokens=10**20), openai.BadRequestError, "max_tokens", None),
         (dict(model=MODEL, prompt=""), openai.BadRequestError, "prompt", None),
     ]
     for kwargs, error, param, code in cases:
@@ -102,6 +105,18 @@ def test_errors_have_openais_status_and_shape(server):
             client.completions.create(**kwargs)
         body = e.value.body
         assert body["param"] == param and body["code"] == code and body["message"], (kwargs, body)
+        if kwargs.get("max_tokens") == 10**20:  # the number the client sent, not the proto field's clamp
+            assert "got 100000000000000000000" in body["message"], body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+    assert e.value.body["param"] == "messages[0].role" and "robot" in e.value.body["message"], e.value.body
+    # no model named: the one this server serves, as vLLM does
+    req = urllib.request.Request(base_url(server) + "/completions", method="POST",
+                                 data=json.dumps({"prompt": "a", "max_tokens": 2}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        got = json.loads(r.read())
+    assert got["model"] == MODEL and got["usage"]["completion_tokens"] == 2
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object"}}}])
