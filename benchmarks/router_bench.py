@@ -64,6 +64,9 @@ def _fake_worker_classes():
         async def reserve(self, *a, **k):
             raise NotImplementedError
 
+        async def set_destination(self, *a, **k):  # (its info says it takes no prompt without its blocks)
+            raise NotImplementedError
+
         async def renew(self, keys, timeout):
             return []
 

@@ -112,6 +112,9 @@ class WorkerInfo:
     pid: int = 0  # the actor's process (operators and the chaos tests signal it)
     kv_bytes_per_token: int = 0  # KV a token takes on the wire, every layer (placement's transfer cost)
     contract: str = CONTRACT  # the worker's own build of this module (its default is read in the worker)
+    # a prefill worker: a prompt may be sent to it with no decode reservation; it asks for one
+    # (`DestinationWanted`) once this many of its tokens are left to compute. 0: reserve before sending
+    destination_horizon_tokens: int = 0
 
 
 @dataclass
@@ -143,6 +146,15 @@ class Reservation:
     block_ids: list[int]  # the decode worker's table for the whole prompt
     num_cached_blocks: int  # leading blocks already held by the decode worker's prefix cache: not sent
     lease_s: float  # the reservation lapses this long after its last renewal (see `DecodeWorker.renew`)
+
+
+@dataclass(frozen=True)
+class DestinationWanted:
+    """A prefill worker will soon compute the last chunk of a prompt sent without a decode reservation (see
+    `WorkerInfo.destination_horizon_tokens`): reserve its decode blocks now and `set_destination`. The
+    prompt's KV ships in the step that computes its last chunk, which waits for the destination."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)

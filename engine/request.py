@@ -63,6 +63,9 @@ class Request:
     prefill_compute_s: float = 0.0
     # prefill worker: stop after the first token and hold the blocks (SENDING_KV) until the KV has shipped
     prefill_only: bool = False
+    # prefill worker: the decode worker's blocks are not reserved yet, so the prompt's last chunk (whose step
+    # ships its KV) must wait; every chunk before it may run
+    awaiting_destination: bool = False
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt reached the engine"

@@ -129,7 +129,10 @@ class Scheduler:
                 budget -= 1 + len(drafts)
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_len(req, budget)
+            if n == 0:  # a prompt whose last chunk waits for its KV destination
+                i += 1
+                continue
             while not self._grow(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -153,10 +156,20 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
+            n = self._chunk_len(req, budget)
+            if n:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
         return out
+
+    @staticmethod
+    def _chunk_len(req: Request, budget: int) -> int:
+        """The tokens of `req` this step may compute: what is left, within `budget`, short of the prompt's last
+        token while the prompt waits for its KV destination (`Request.awaiting_destination`)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.awaiting_destination and req.num_computed_tokens + n >= req.num_tokens:
+            n = req.num_tokens - req.num_computed_tokens - 1
+        return n
 
     def _schedule_prompts_fairly(self, out: SchedulerOutput, budget: int) -> None:
         """Prompts, prefilling and waiting alike, by uncomputed tokens less their aging credit, together at
@@ -175,7 +188,9 @@ class Scheduler:
                 return
             if req.is_finished or req.status not in (RequestStatus.PREFILLING, RequestStatus.WAITING):
                 continue  # preempted (or ended) as a victim earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_len(req, budget)
+            if n == 0:
+                continue  # its last chunk waits for its KV destination
             if req.status == RequestStatus.PREFILLING:
                 if not self._grow_or_preempt(req, req.num_computed_tokens + n, out):
                     continue  # no room this step: it waits, holding what it has
@@ -188,7 +203,9 @@ class Scheduler:
                     continue
                 self.waiting.remove(req)
                 self.running.append(req)
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = self._chunk_len(req, budget)
+                if n == 0:
+                    continue  # its cached prefix left only the last chunk, which waits
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
 

@@ -20,6 +20,7 @@ from engine.config import EngineConfig, cdiv
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from engine.messages import (
+    DestinationWanted,
     EngineLoad,
     FirstToken,
     Heartbeat,
@@ -46,11 +47,12 @@ KV_TRANSFER_TIMEOUT_S = 30.0
 @dataclass
 class _Job:
     request: Request
-    dst: PeerAddress
+    dst: PeerAddress | None  # None until the router sets the destination (`set_destination`)
     dst_block_ids: list[int]  # the decode worker's table for the whole prompt
     num_dst_cached_blocks: int  # leading blocks the decode worker already holds: not sent
-    outbox: asyncio.Queue  # FirstToken, then the PrefillResult; filled from the loop thread ...
-    actor_loop: asyncio.AbstractEventLoop  # ... through the actor's event loop
+    outbox: asyncio.Queue  # [DestinationWanted], FirstToken, then the PrefillResult; filled from the loop
+    actor_loop: asyncio.AbstractEventLoop  # thread through the actor's event loop
+    destination_asked: bool = False
     scheduled_at: float = 0.0
     sampled_at: float = 0.0
     transfer_open: bool = False
@@ -66,6 +68,11 @@ class PrefillWorker:
         self.node_id, self.node_ip = node_identity()
         self.sender = create_sender(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
         self.jobs: dict[str, _Job] = {}
+        # a prompt sent without its decode reservation asks for one once this many of its tokens are left:
+        # two steps' worth, so it lands before the step that computes the last chunk (and ships the KV)
+        sched = config.scheduler
+        step = (sched.prefill_chunk_tokens if sched.prefill_order == "fair" else 0) or sched.max_num_batched_tokens
+        self.destination_horizon = 2 * min(step, sched.max_num_batched_tokens)
         self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, layer_hook_for=self._hook_for,
                                on_fail=self._fail_transfers, name=f"{worker_id}-loop")
         self.loop.start()
@@ -73,7 +80,8 @@ class PrefillWorker:
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, "prefill", self.node_id, self.node_ip,
                           self.engine.cache_spec.block_size, self.engine.allocator.num_blocks, pid=os.getpid(),
-                          kv_bytes_per_token=self.engine.cache_spec.bytes_per_block // self.engine.cache_spec.block_size)
+                          kv_bytes_per_token=self.engine.cache_spec.bytes_per_block // self.engine.cache_spec.block_size,
+                          destination_horizon_tokens=self.destination_horizon)
 
     async def ping(self) -> Heartbeat:
         return Heartbeat(self.worker_id, time.monotonic() - self.loop.last_progress, self.loop.busy,
@@ -84,25 +92,30 @@ class PrefillWorker:
         return await asyncio.wrap_future(self.loop.call(lambda: self.engine.load_report(self.worker_id, since)))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      reservation: Reservation, cache_since: int | None = None
-                      ) -> AsyncIterator[FirstToken | PrefillResult]:
+                      reservation: Reservation | None, cache_since: int | None = None
+                      ) -> AsyncIterator[DestinationWanted | FirstToken | PrefillResult]:
         """Compute the prompt and push its KV into `reservation`: yields the first token as soon as it is
         sampled, then the outcome once the KV landed (a failure yields only the outcome). The outcome's load
         report carries the prefix-cache changes after `cache_since` (the asking router's cursor), so its
-        index holds the prompt's blocks before its next placement."""
+        index holds the prompt's blocks before its next placement.
+
+        `reservation` None: the decode blocks are not reserved yet. Every chunk but the last is computed
+        meanwhile; once `destination_horizon` tokens are left, it yields `DestinationWanted`, and the last
+        chunk waits for `set_destination`."""
         outbox: asyncio.Queue = asyncio.Queue()
         actor_loop = asyncio.get_running_loop()
-        dst, dst_block_ids = reservation.kv_address, reservation.block_ids
-        num_dst_cached_blocks = reservation.num_cached_blocks
 
         def add() -> None:
             if request_id in self.jobs:
                 raise ValueError(f"request {request_id!r} is already prefilling on {self.worker_id}")
             req = Request(request_id, prompt_token_ids, params, self.engine.cache_spec.block_size,
-                          self.engine.eos_token_ids, self.engine.max_model_len, prefill_only=True)
+                          self.engine.eos_token_ids, self.engine.max_model_len, prefill_only=True,
+                          awaiting_destination=reservation is None)
             self.engine.scheduler.add(req)
-            self.jobs[request_id] = _Job(req, dst, dst_block_ids, num_dst_cached_blocks, outbox, actor_loop,
-                                         cache_since=cache_since)
+            job = self.jobs[request_id] = _Job(req, None, [], 0, outbox, actor_loop, cache_since=cache_since)
+            if reservation is not None:
+                self._set_destination(job, reservation)
+            self._ask_destinations()
 
         await asyncio.wrap_future(self.loop.call(add))
         while True:
@@ -110,6 +123,19 @@ class PrefillWorker:
             yield item
             if isinstance(item, PrefillResult):
                 return
+
+    async def set_destination(self, request_id: str, reservation: Reservation) -> bool:
+        """The decode blocks of a prompt sent without them: its last chunk may run. False when the prompt is
+        no longer here (aborted, failed)."""
+
+        def set_() -> bool:
+            job = self.jobs.get(request_id)
+            if job is None:
+                return False
+            self._set_destination(job, reservation)
+            return True
+
+        return await asyncio.wrap_future(self.loop.call(set_))
 
     async def describe(self) -> dict:
         """What this worker holds right now (for debugging and operators)."""
@@ -214,7 +240,23 @@ class PrefillWorker:
             if not job.transfer_open:  # nothing to send: done as soon as sampled
                 self._finish(job, None)
 
+    @staticmethod
+    def _set_destination(job: _Job, reservation: Reservation) -> None:
+        job.dst, job.dst_block_ids = reservation.kv_address, reservation.block_ids
+        job.num_dst_cached_blocks = reservation.num_cached_blocks
+        job.request.awaiting_destination = False
+
+    def _ask_destinations(self) -> None:
+        """Ask the router for the decode blocks of each prompt without them that is close to its last chunk."""
+        for job in self.jobs.values():
+            req = job.request
+            if (req.awaiting_destination and not job.destination_asked
+                    and req.num_prompt_tokens - req.num_computed_tokens <= self.destination_horizon):
+                job.destination_asked = True
+                _put(job, DestinationWanted(req.request_id))
+
     def _poll(self) -> bool:
+        self._ask_destinations()
         for result in self.sender.pop_finished():
             job = self.jobs.get(result.request_id)
             if job is not None:
@@ -256,6 +298,6 @@ class PrefillWorker:
         return self.engine.load_report(self.worker_id, None)
 
 
-def _put(job: _Job, item: FirstToken | PrefillResult) -> None:
+def _put(job: _Job, item: DestinationWanted | FirstToken | PrefillResult) -> None:
     """Hand a job's message to its `prefill` stream, from the loop thread."""
     job.actor_loop.call_soon_threadsafe(job.outbox.put_nowait, item)

@@ -100,6 +100,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="conditional disaggregation: joint placement may prefill a prompt on its decode worker "
                         "(no transfer, no prefill queue) when that is cheaper and stalls the worker's running "
                         "streams for less than it saves (router.placement.choose_path)")
+    p.add_argument("--late-reservation", action=argparse.BooleanOptionalAction, default=True,
+                   help="reserve a long prompt's decode KV blocks when its prefill worker nears the prompt's "
+                        "last chunk, not at placement, so they serve decoding sequences while it queues and "
+                        "computes (joint placement; --no-late-reservation: at placement)")
     p.add_argument("--verify-kv-moves", action="store_true",
                    help="check each drained sequence's KV at its destination against its source (SHA-256 of "
                         "both; costs a full read of the KV on each side)")
@@ -160,6 +164,7 @@ def serve_config(args: argparse.Namespace):
         max_queued_prefill_tokens=args.max_queued_prefill_tokens, migration_limit=args.migration_limit,
         worker_timeout=args.worker_timeout, shutdown_grace=args.shutdown_grace,
         verify_kv_moves=args.verify_kv_moves, placement=args.placement, local_prefill=args.local_prefill,
+        late_reservation=args.late_reservation,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,

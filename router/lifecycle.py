@@ -115,6 +115,7 @@ class Attempt:
     prefill: Worker | None = None
     decode: Worker | None = None
     reservation: Reservation | None = None
+    promised: int = 0  # decode blocks counted on `decode` for a prompt whose reservation comes later
     prefill_tokens: int = 0  # uncached prompt tokens the prefill worker will compute (its queue, as counted)
     phase: Phase = Phase.QUEUED
     # the decode worker's deltas for this attempt, or a notice

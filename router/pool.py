@@ -74,6 +74,7 @@ class Worker:
     client: WorkerClient
     load: WorkerLoad
     inflight_prefill_tokens: int = 0  # prompt tokens sent to it and not yet answered (router's own count)
+    promised_blocks: int = 0  # a decode worker's blocks counted for prompts whose reservation comes later
     draining: bool = False  # being taken out of service: placement skips it; it leaves once it holds nothing
     moved: collections.Counter = field(default_factory=collections.Counter)  # sequences drained off, by Method
     # a read of this worker's newer prefix-cache changes in flight, if any (`Router.apply_report`)

@@ -42,7 +42,15 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import hash_blocks
 from engine.config import cdiv
-from engine.messages import FirstToken, KVMoveResult, LoadReport, PrefillResult, Reservation, TokenDelta
+from engine.messages import (
+    DestinationWanted,
+    FirstToken,
+    KVMoveResult,
+    LoadReport,
+    PrefillResult,
+    Reservation,
+    TokenDelta,
+)
 from router.background import Background
 from router.cost_model import CostModel, CostPriors
 from router.lifecycle import (
@@ -130,6 +138,9 @@ class RouterConfig:
     # the decode worker's streams' ITL for the request's TTFT, which the operator must choose to do)
     local_prefill: bool = False
     local_chunk_tokens: int = 0  # the most prompt tokens a decode worker's step computes (0: no cap)
+    # a prompt longer than its prefill worker's horizon (`WorkerInfo.destination_horizon_tokens`) gets its
+    # decode blocks when that worker nears its last chunk, not at placement: they would sit idle meanwhile
+    late_reservation: bool = True
     kv_move_timeout_s: float = 60.0  # a drain's KV move (reserve, push every layer, start) must end in this
     # compare a SHA-256 of every moved sequence's KV at the source and the destination before decoding on
     # (a full read of its KV on both: a debugging and proof aid, off in production)
@@ -262,6 +273,12 @@ class Router:
         for att in list(self._attempts.values()):
             # NOTE: a prefill worker's loss matters only while the attempt is prefilling on it: a request
             # already decoding elsewhere holds nothing there.
+            if att.decode is worker and att.reservation is None and att.promised and att.prefill is not worker:
+                # NOTE: chosen for a prompt whose blocks are reserved later, it holds nothing for it yet: the
+                # prompt will be given another decode worker when it asks (`_reserve_late`)
+                self._unpromise(att)
+                att.decode = None
+                continue
             if att.decode is worker or (att.prefill is worker and att.phase <= Phase.PREFILLING):
                 att.worker_lost(notice)
         self._room.set()
@@ -371,6 +388,7 @@ class Router:
     def _end_attempt(self, att: Attempt, clean: bool) -> None:
         """The attempt is over: route nothing more to it, and free what its workers may hold for it."""
         del self._attempts[att.key]
+        self._unpromise(att)
         if clean:
             return  # the workers ended it themselves (finished), and the reservation was released
         for worker in {att.prefill, att.decode} - {None}:
@@ -439,6 +457,9 @@ class Router:
                 async for item in items:
                     if isinstance(item, PrefillResult):
                         result = item
+                        continue
+                    if isinstance(item, DestinationWanted):
+                        decode = await self._reserve_late(att, prefill)
                         continue
                     prefill.inflight_prefill_tokens -= att.prefill_tokens
                     queued = False
@@ -520,7 +541,8 @@ class Router:
         if att.move is not None and att.num_output >= att.move.num_tokens:
             raise AttemptFailed(Cause.DRAIN, att.move.worker_id, f"drained ({att.move.method.value} move)")
 
-    async def _prefill(self, att: Attempt, prefill: Worker) -> AsyncIterator[FirstToken | PrefillResult]:
+    async def _prefill(self, att: Attempt, prefill: Worker
+                       ) -> AsyncIterator[DestinationWanted | FirstToken | PrefillResult]:
         """The prefill stream's items (the first token, then the outcome), abandoned as soon as either of the
         attempt's workers is lost."""
         items = aiter(prefill.client.prefill(att.key, att.prompt, att.params, att.reservation,
@@ -609,6 +631,9 @@ class Router:
                     att.prefill = decode
                     return Path.LOCAL
                 prefill = self._take_prefill(att, self.workers[opt.prefill], opt.prefill_cached_blocks)
+                if self._may_defer(att, prefill, decode, need):
+                    self._promise(att, decode, need)
+                    return Path.REMOTE
                 try:
                     att.reservation = await self._try_reserve(att, decode, prefill, need)
                 finally:
@@ -697,6 +722,75 @@ class Router:
         else:
             decode.load = dataclasses.replace(decode.load, free_blocks=0)  # until its next report
         return None
+
+    # -- late reservation -------------------------------------------------------------------------------
+
+    def _may_defer(self, att: Attempt, prefill: Worker, decode: Worker, need: int) -> bool:
+        """Whether the attempt's decode blocks may be reserved later, when its prefill worker nears the last
+        chunk: the prompt is longer than that worker's horizon (a shorter one would ask at once), and `decode`
+        has not been promised more than its whole cache in such prompts.
+
+        NOTE: this overcommits on purpose. The blocks a prompt would hold while it queues and computes on a
+        prefill worker serve decoding sequences meanwhile, betting that the decode worker has room again by
+        the time the prompt is due (measured idle: a third of a decode worker's used blocks under a burst,
+        `benchmarks/kv_reserved_probe.py`). The cap bounds the bet: at most one cache's worth of prompts can
+        find no room when due, and those wait for it (`_reserve_late`) with their KV held on the prefill
+        worker."""
+        horizon = prefill.info.destination_horizon_tokens
+        return (self.config.late_reservation and horizon > 0 and att.prefill_tokens > horizon
+                and decode.promised_blocks + need <= decode.load.total_blocks)
+
+    def _promise(self, att: Attempt, decode: Worker, need: int) -> None:
+        att.promised = need
+        decode.promised_blocks += need
+        # NOTE: counted from the moment of choice until the worker's next report, as a reservation is
+        decode.load = dataclasses.replace(decode.load, num_running=decode.load.num_running + 1,
+                                          free_blocks=max(0, decode.load.free_blocks - need))
+
+    def _unpromise(self, att: Attempt) -> None:
+        if att.promised and att.decode is not None:
+            att.decode.promised_blocks -= att.promised
+        att.promised = 0
+
+    async def _reserve_late(self, att: Attempt, prefill: Worker) -> Worker:
+        """The prefill worker nears the last chunk of a prompt sent without its decode blocks: reserve them,
+        on the decode worker chosen at placement if it still has room, else on another (by node and free
+        blocks), waiting for room while there is none, and hand them to the prefill worker. The decode worker.
+
+        Waiting here is not the admission queue: the request was admitted and its prompt mostly computed;
+        it fails RESOURCE_EXHAUSTED only after `admission_timeout_s` with no decode room at all."""
+        need = cdiv(len(att.prompt), self.block_size)
+        deadline = time.time() + self.config.admission_timeout_s
+        preferred = att.decode
+        self._unpromise(att)
+        tried: set[str] = set()
+        while att.reservation is None:
+            if not prefill.alive:
+                raise AttemptFailed(Cause.PREFILL_LOST, prefill.worker_id, "lost before its last chunk")
+            live = [w for w in self.registry.schedulable(PoolKind.DECODE) if w.alive and w.worker_id not in tried]
+            if preferred in live:
+                wid = preferred.worker_id
+            else:
+                wid = choose_decode(prefill.info.node_id, need, [w.snapshot() for w in live])
+            if wid is None:
+                tried.clear()
+                await self._wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV "
+                                      f"blocks within {self.config.admission_timeout_s:.0f}s of the prompt's "
+                                      "prefill nearing its end; the decode pool is overloaded, retry later")
+                continue
+            tried.add(wid)
+            decode = att.decode = self.workers[wid]
+            att.reservation = await self._try_reserve(att, decode, prefill, need)
+            if att.reservation is None:
+                att.forget_decode()
+        try:
+            ok = await prefill.client.set_destination(att.key, att.reservation, self.config.call_timeout_s)
+        except WorkerError as e:
+            raise self._call_failed(prefill, e, Cause.PREFILL_LOST) from e
+        if not ok:
+            raise AttemptFailed(Cause.WORKER_ERROR, prefill.worker_id, "the prompt left its prefill worker before "
+                                "its decode blocks were set")
+        return att.decode
 
     async def _queue_for_room(self, need: int, deadline: float) -> None:
         """Wait in the bounded admission queue until blocks may have been freed; RESOURCE_EXHAUSTED at once when

@@ -78,6 +78,8 @@ class ServeConfig:
     verify_kv_moves: bool = False  # check every drained sequence's moved KV against its source (SHA-256)
     placement: str = "joint"  # "joint": the (prefill, decode) pair or the decode worker alone, by cost
     local_prefill: bool = False  # joint placement may prefill a prompt on its decode worker when cheaper
+    # a long prompt's decode blocks are reserved as its prefill nears the end, not while it queues
+    late_reservation: bool = True
     metrics_port: int | None = 9400  # Prometheus /metrics; None -> no metrics endpoint, 0 -> any free port
     metrics_host: str | None = None  # where /metrics binds; None -> --host (scrape it from inside only)
     http_port: int | None = None  # the OpenAI-compatible HTTP door; None -> off, 0 -> any free port
@@ -188,7 +190,7 @@ class ServeConfig:
                             placement=self.placement, local_prefill=self.local_prefill, router_id=router_id,
                             # (the engine caps prompt tokens per step in fair order only)
                             local_chunk_tokens=self.decode_prefill_chunk_tokens if self.prefill_order == "fair"
-                            else 0, cost_priors=self.cost_priors)
+                            else 0, cost_priors=self.cost_priors, late_reservation=self.late_reservation)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:

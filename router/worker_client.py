@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.messages import (
+    DestinationWanted,
     EngineLoad,
     FirstToken,
     Heartbeat,
@@ -75,11 +76,16 @@ class WorkerClient(ABC):
         """Renew these reservations' leases; returns the keys no longer reserved."""
 
     @abstractmethod
-    def prefill(self, key: str, prompt: list[int], params: SamplingParams, reservation: Reservation,
-                cache_since: int | None = None) -> AsyncIterator[FirstToken | PrefillResult]:
+    def prefill(self, key: str, prompt: list[int], params: SamplingParams, reservation: Reservation | None,
+                cache_since: int | None = None) -> AsyncIterator[DestinationWanted | FirstToken | PrefillResult]:
         """The first token as soon as it is sampled, then the outcome once the KV landed (a failure: only
         the outcome), whose load report holds the prefix-cache changes after `cache_since`. No timeout: a
-        long prompt takes what it takes; liveness watches the worker meanwhile."""
+        long prompt takes what it takes; liveness watches the worker meanwhile. With no `reservation`, first
+        a `DestinationWanted` when the prompt nears its last chunk, which waits for `set_destination`."""
+
+    @abstractmethod
+    async def set_destination(self, key: str, reservation: Reservation, timeout: float) -> bool:
+        """A prompt sent without its reservation gets it; False when the prompt is no longer there."""
 
     @abstractmethod
     async def start(self, key: str, first_token: int, timeout: float) -> bool: ...
@@ -175,6 +181,9 @@ class RayWorkerClient(WorkerClient):
         async for item in self._stream(self.actor.prefill.options(num_returns="streaming").remote(
                 key, prompt, params, reservation, cache_since), "prefill"):
             yield item
+
+    async def set_destination(self, key: str, reservation: Reservation, timeout: float) -> bool:
+        return await self._call(self.actor.set_destination.remote(key, reservation), timeout)
 
     async def start(self, key: str, first_token: int, timeout: float) -> bool:
         return await self._call(self.actor.start.remote(key, first_token), timeout)

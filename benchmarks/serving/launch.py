@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin|separate|local))?"
-                   r"(?::(?P<order>fair|fifo))?(?::chunk(?P<chunk>\d+))?(?::dchunk(?P<dchunk>\d+))?$")
+                   r"(?::(?P<order>fair|fifo))?(?::chunk(?P<chunk>\d+))?(?::dchunk(?P<dchunk>\d+))?"
+                   r"(?P<early>:early)?$")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Layout:
     prefill_order: str = "fair"  # the workers' prompt order ("fifo": arrival, the earlier default)
     prefill_chunk_tokens: int | None = None  # the prefill workers' prompt tokens per step (None: the default)
     decode_prefill_chunk_tokens: int | None = None  # the decode workers' (None: the default)
+    late_reservation: bool = True  # ":early": every prompt's decode blocks are reserved at placement
 
     @classmethod
     def parse(cls, spec: str) -> Layout:
@@ -45,13 +47,14 @@ class Layout:
             raise ValueError(f"layout {spec!r}: expected NpMd (N prefill + M decode workers) or Nc (N colocated "
                              "workers), optionally followed by :prefix, :round-robin, :separate or :local, "
                              "then optionally :fifo or :fair (the prompt order), then optionally :chunkN and "
-                             ":dchunkN (the prefill and decode workers' prompt tokens per step), e.g. "
-                             "2p1d:round-robin, 2p1d:fifo, 2p1d:chunk256, 2p1d:local:dchunk0")
+                             ":dchunkN (the prefill and decode workers' prompt tokens per step), then optionally "
+                             ":early (decode blocks reserved at placement), e.g. 2p1d:round-robin, 2p1d:fifo, "
+                             "2p1d:chunk256, 2p1d:local:dchunk0, 2p1d:early")
         routing, order = m["routing"] or "prefix", m["order"] or "fair"
         chunk, dchunk = (int(m[k]) if m[k] is not None else None for k in ("chunk", "dchunk"))
         if m["c"] is not None:
-            return cls(0, 0, int(m["c"]), routing, order, chunk, dchunk)
-        return cls(int(m["p"]), int(m["d"]), 0, routing, order, chunk, dchunk)
+            return cls(0, 0, int(m["c"]), routing, order, chunk, dchunk, m["early"] is None)
+        return cls(int(m["p"]), int(m["d"]), 0, routing, order, chunk, dchunk, m["early"] is None)
 
     @property
     def num_workers(self) -> int:
@@ -64,7 +67,8 @@ class Layout:
         label = shape if self.routing == "prefix" else f"{shape}:{self.routing}"
         label = label if self.prefill_order == "fair" else f"{label}:{self.prefill_order}"
         label = label if self.prefill_chunk_tokens is None else f"{label}:chunk{self.prefill_chunk_tokens}"
-        return label if self.decode_prefill_chunk_tokens is None else f"{label}:dchunk{self.decode_prefill_chunk_tokens}"
+        label = label if self.decode_prefill_chunk_tokens is None else f"{label}:dchunk{self.decode_prefill_chunk_tokens}"
+        return label if self.late_reservation else f"{label}:early"
 
     @property
     def description(self) -> str:
@@ -76,6 +80,8 @@ class Layout:
         for who, n in (("prefill", self.prefill_chunk_tokens), ("decode", self.decode_prefill_chunk_tokens)):
             if n is not None:
                 order += f", {who} workers' prompt tokens per step: {n or 'the whole budget'}"
+        if not self.late_reservation:
+            order += ", decode blocks reserved at placement"
         if self.routing == "separate":
             return f"{what}, prefix routing, then the decode worker by node and free blocks{order}"
         if self.routing == "local":
@@ -94,7 +100,8 @@ class Layout:
         return ServeConfig(prefill_workers=self.prefill_workers, decode_workers=self.decode_workers,
                            colocated_workers=self.colocated_workers, routing=routing,
                            placement="separate" if self.routing == "separate" else "joint",
-                           local_prefill=self.routing == "local", prefill_order=self.prefill_order, **options)
+                           local_prefill=self.routing == "local", prefill_order=self.prefill_order,
+                           late_reservation=self.late_reservation, **options)
 
 
 class LocalDeployment:

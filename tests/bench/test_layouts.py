@@ -23,6 +23,13 @@ def test_a_layout_spec_names_placement_and_prompt_order(spec, placement, local, 
     assert config.engine_config(2048).scheduler.prefill_order == order
 
 
+def test_early_reserves_decode_blocks_at_placement():
+    assert Layout.parse("2p1d").serve_config(model="tiny-random").late_reservation
+    early = Layout.parse("2p1d:chunk256:early")
+    assert early.label == "2p1d:chunk256:early" and not early.serve_config(model="tiny-random").late_reservation
+    assert Layout.parse(early.label) == early
+
+
 def test_a_bad_layout_spec_says_what_is_expected():
     with pytest.raises(ValueError, match=":fifo or :fair"):
         Layout.parse("2p1d:lifo")

@@ -256,3 +256,19 @@ def test_a_step_reports_what_it_computed_and_shares_its_time_among_the_prompts_i
     assert short.prefill_compute_s == pytest.approx(shares[short.request_id])
     assert 0 < short.prefill_compute_s < long.prefill_compute_s
     assert decoding.prefill_compute_s == own  # its decode rows add nothing to its prompt's time
+
+
+@pytest.mark.parametrize("order", ["fifo", "fair"])
+def test_a_prompt_awaiting_its_kv_destination_computes_all_but_its_last_chunk_and_others_go_on(order):
+    engine = make_engine(max_num_batched_tokens=32, prefill_order=order)
+    held = Request("held", PROMPT, greedy(1), 16, prefill_only=True, awaiting_destination=True)
+    engine.scheduler.add(held)
+    other = engine.add_request(PROMPT[::-1], greedy(3, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    assert held.num_computed_tokens == len(PROMPT) - 1 and not held.output_token_ids  # held short of the end
+    assert len(other.output_token_ids) == 3  # the other request was never blocked behind it
+    held.awaiting_destination = False  # the decode blocks are reserved: the last chunk may run
+    out, advanced = engine.step()
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("held", 1)]
+    assert advanced == [held] and len(held.output_token_ids) == 1

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from engine.block_allocator import BlockAllocator
 from engine.config import cdiv
 from engine.messages import (
+    DestinationWanted,
     EngineLoad,
     FirstToken,
     Heartbeat,
@@ -85,6 +86,10 @@ class FakeWorker(WorkerClient):
         self.lapse_next_start = False
         self.error_next_step = False
         self.reserve_full = False
+        # set: a prompt longer than this may come with no reservation (`DestinationWanted`, `set_destination`)
+        self.destination_horizon_tokens = 0
+        self.destinations: dict[str, asyncio.Future] = {}  # key -> set by set_destination
+        self.destinations_set: list[tuple[str, Reservation]] = []
         self._outbox: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._loop_task: asyncio.Task | None = None
         self.cache: BlockAllocator | None = None  # set: `report` reads its prefix-cache change log
@@ -99,6 +104,9 @@ class FakeWorker(WorkerClient):
         self.running_gate.set()
         self.prefill_gate.set()
         self.kv_gate.set()
+        for waiting in self.destinations.values():
+            if not waiting.done():
+                waiting.set_result(None)
         self._outbox.put_nowait(None)
 
     def stall(self) -> None:
@@ -125,7 +133,7 @@ class FakeWorker(WorkerClient):
 
     def describe(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, self.kind.value, self.node, "127.0.0.1", BLOCK, self.num_blocks,
-                          kv_address=self.worker_id)
+                          kv_address=self.worker_id, destination_horizon_tokens=self.destination_horizon_tokens)
 
     async def info(self) -> WorkerInfo:
         return self.describe()
@@ -173,6 +181,12 @@ class FakeWorker(WorkerClient):
         self.prefill_started.set()
         await self.prefill_gate.wait()
         await self._enter()
+        if reservation is None:  # every chunk but the last is computed; the last waits for its destination
+            assert self.destination_horizon_tokens, "a prompt with no reservation, to a worker that wants one"
+            self.destinations[key] = asyncio.get_running_loop().create_future()
+            yield DestinationWanted(key)
+            await self.destinations[key]
+            await self._enter()
         failure, self.fail_next_prefill = self.fail_next_prefill, None
         if failure == "error":  # the step failed: no token
             self.held.pop(key, None)
@@ -188,6 +202,15 @@ class FakeWorker(WorkerClient):
             yield PrefillResult(key, None, None, 0, "injected kv failure", kv_failed=True)
             return
         yield PrefillResult(key, token, finish, 0, scheduled_at=1.0, sampled_at=1.0, kv_done_at=1.0)
+
+    async def set_destination(self, key, reservation, timeout):
+        await self._timed(self._enter(), timeout)
+        waiting = self.destinations.get(key)
+        if waiting is None or waiting.done() or key not in self.held:
+            return False
+        self.destinations_set.append((key, reservation))
+        waiting.set_result(reservation)
+        return True
 
     async def start(self, key, first_token, timeout):
         await self._timed(self._enter(), timeout)
@@ -324,7 +347,10 @@ class FakeWorker(WorkerClient):
 class FakeCluster:
     """A router over fake workers: `prefill-i`, `decode-i` (or `colocated-i`)."""
 
-    def __init__(self, num_prefill: int = 1, num_decode: int = 1, num_colocated: int = 0, **config) -> None:
+    def __init__(self, num_prefill: int = 1, num_decode: int = 1, num_colocated: int = 0, horizon: int = 0,
+                 **config) -> None:
+        """`horizon`: the prefill workers' `destination_horizon_tokens` (0: they want every reservation up
+        front, so the router reserves at placement)."""
         config.setdefault("block_size", BLOCK)
         config.setdefault("admission_timeout_s", 5.0)
         config.setdefault("call_timeout_s", 1.0)
@@ -337,7 +363,10 @@ class FakeCluster:
         for kind, n in ((PoolKind.PREFILL, num_prefill), (PoolKind.DECODE, num_decode),
                         (PoolKind.COLOCATED, num_colocated)):
             for i in range(n):
-                self.add(FakeWorker(f"{kind.value}-{i}", kind))
+                fake = FakeWorker(f"{kind.value}-{i}", kind)
+                if kind is PoolKind.PREFILL:
+                    fake.destination_horizon_tokens = horizon
+                self.add(fake)
 
     def add(self, fake: FakeWorker) -> None:
         self.workers[fake.worker_id] = fake

@@ -1,0 +1,159 @@
+"""Late decode reservation over fake workers: a prompt longer than its prefill worker's horizon is sent with
+no decode blocks reserved; they are reserved when the prefill worker asks (its last chunk near), so a
+decode worker's blocks serve decoding sequences, not prompts queued elsewhere. Exact output, nothing held
+after, and the paths that go wrong: a full decode worker when the prompt is due, the chosen decode worker
+lost before then, the prefill worker lost while the prompt waits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.messages import LoadReport
+from router.lifecycle import Phase
+from router.router import RouterError
+from tests.router.fakes import FakeCluster, reference
+
+LONG = list(range(1, 41))  # 40 tokens, 10 blocks of 4: past the horizon below
+SHORT = list(range(1, 9))
+HORIZON = 16
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+def test_a_long_prompt_holds_no_decode_block_until_its_prefill_worker_asks():
+    async def go():
+        c = FakeCluster(1, 1, horizon=HORIZON)
+        p, d = c["prefill-0"], c["decode-0"]
+        p.prefill_gate.clear()  # the prompt queues and computes on the prefill worker
+        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 6)))
+        await until(lambda: p.keys)
+        await c.settle()
+        assert d.blocks_in_use == 0 and not d.reserved  # nothing reserved while it prefills
+        assert c.registry.get("decode-0").promised_blocks == 10  # but counted against the worker
+        p.prefill_gate.set()  # near its last chunk: it asks, the router reserves and hands the blocks over
+        tokens, finish, state = await task
+        assert (tokens, finish) == (reference(LONG, 6), "length") and not state.failures
+        assert [k for k, _ in p.destinations_set] == d.keys[-1:]  # the reservation it got is the one made
+        await c.settle()
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+        assert c.registry.get("decode-0").promised_blocks == 0
+
+    run(go())
+
+
+def test_a_short_prompt_is_reserved_at_placement_as_before():
+    async def go():
+        c = FakeCluster(1, 1, horizon=HORIZON)
+        p, d = c["prefill-0"], c["decode-0"]
+        p.prefill_gate.clear()
+        task = asyncio.ensure_future(c.collect(c.request("a", SHORT, 4)))
+        await until(lambda: p.keys)
+        assert d.blocks_in_use == 2  # within the horizon: it would ask at once, so the router does not wait
+        p.prefill_gate.set()
+        assert (await task)[0] == reference(SHORT, 4)
+        assert not p.destinations_set
+
+    run(go())
+
+
+def test_a_prompt_due_on_a_full_decode_pool_waits_for_room_instead_of_failing():
+    async def go():
+        c = FakeCluster(1, 1, horizon=HORIZON)
+        p, d = c["prefill-0"], c["decode-0"]
+        p.prefill_gate.clear()
+        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 5)))
+        await until(lambda: p.keys)
+        d.reserve_full = True  # every block went to decoding sequences meanwhile
+        p.prefill_gate.set()
+        await asyncio.sleep(0.3)
+        assert not task.done() and not p.destinations_set  # waiting, its KV kept on the prefill worker
+        d.reserve_full = False  # a sequence finished
+        c.router._room.set()
+        tokens, _, state = await task
+        assert tokens == reference(LONG, 5) and not state.failures
+
+    run(go())
+
+
+def test_a_prompt_due_when_no_room_comes_fails_resource_exhausted_and_frees_both_sides():
+    async def go():
+        c = FakeCluster(1, 1, horizon=HORIZON, admission_timeout_s=0.5)
+        d = c["decode-0"]
+        d.reserve_full = True
+        with pytest.raises(RouterError) as e:
+            await c.collect(c.request("a", LONG, 5))
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "overloaded" in str(e.value)
+        await c.settle()
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+        assert c.registry.get("decode-0").promised_blocks == 0
+
+    run(go())
+
+
+def test_the_decode_worker_chosen_at_placement_dies_before_the_prompt_is_due_and_nothing_fails():
+    async def go():
+        c = FakeCluster(1, 2, horizon=HORIZON)
+        p = c["prefill-0"]
+        p.prefill_gate.clear()
+        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 6)))
+        await until(lambda: p.keys)
+        await c.settle()
+        chosen = next(w for w in ("decode-0", "decode-1") if c.registry.get(w).promised_blocks)
+        other = "decode-1" if chosen == "decode-0" else "decode-0"
+        c.kill(chosen)  # it held nothing for the prompt: the prompt is not failed, it goes elsewhere
+        p.prefill_gate.set()
+        tokens, _, state = await task
+        assert tokens == reference(LONG, 6) and not state.failures
+        assert state.decode_worker == other
+
+    run(go())
+
+
+def test_the_prefill_worker_dies_while_the_prompt_waits_for_room_and_the_request_moves_on():
+    async def go():
+        c = FakeCluster(2, 1, horizon=HORIZON)
+        d = c["decode-0"]
+        d.reserve_full = True
+        for p in ("prefill-0", "prefill-1"):
+            c[p].prefill_gate.set()
+        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 4)))
+        await until(lambda: any(c[w].destinations for w in ("prefill-0", "prefill-1")))
+        first = next(w for w in ("prefill-0", "prefill-1") if c[w].destinations)
+        att = next(iter(c.router._attempts.values()))
+        assert att.phase is Phase.PREFILLING and att.reservation is None
+        c.kill(first)
+        d.reserve_full = False  # and its next load report says so
+        c.router.apply_report(c.registry.get("decode-0"), LoadReport("decode-0", d._load()))
+        tokens, _, state = await task
+        assert tokens == reference(LONG, 4)
+        assert [f.cause.value for f in state.failures] == ["prefill_lost"]
+        await c.settle()
+        assert c.blocks_in_use()["decode-0"] == 0 and c.registry.get("decode-0").promised_blocks == 0
+
+    run(go())
+
+
+def test_late_reservation_off_reserves_every_prompt_at_placement():
+    async def go():
+        c = FakeCluster(1, 1, horizon=HORIZON, late_reservation=False)
+        p, d = c["prefill-0"], c["decode-0"]
+        p.prefill_gate.clear()
+        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 4)))
+        await until(lambda: p.keys)
+        assert d.blocks_in_use == 10
+        p.prefill_gate.set()
+        assert (await task)[0] == reference(LONG, 4)
+
+    run(go())
