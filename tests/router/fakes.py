@@ -404,3 +404,12 @@ class FakeCluster:
         """Let spawned aborts and step loops run."""
         for _ in range(20):
             await asyncio.sleep(0.005)
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    """Wait until `cond()` holds, polling every 10 ms; AssertionError past `timeout`."""
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")

@@ -13,23 +13,22 @@ import pytest
 from engine.messages import LoadReport
 from router.lifecycle import Phase
 from router.router import RouterError
-from tests.router.fakes import FakeCluster, reference
+from tests.router.fakes import FakeCluster, reference, until
 
 LONG = list(range(1, 41))  # 40 tokens, 10 blocks of 4: past the horizon below
 SHORT = list(range(1, 9))
 HORIZON = 16
 
 
+async def nothing_held(c: FakeCluster) -> None:
+    await c.settle()
+    assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+    assert c.registry.get("decode-0").promised_blocks == 0
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
-
-async def until(cond, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 def test_a_long_prompt_holds_no_decode_block_until_its_prefill_worker_asks():
@@ -46,9 +45,7 @@ def test_a_long_prompt_holds_no_decode_block_until_its_prefill_worker_asks():
         tokens, finish, state = await task
         assert (tokens, finish) == (reference(LONG, 6), "length") and not state.failures
         assert [k for k, _ in p.destinations_set] == d.keys[-1:]  # the reservation it got is the one made
-        await c.settle()
-        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
-        assert c.registry.get("decode-0").promised_blocks == 0
+        await nothing_held(c)
 
     run(go())
 
@@ -95,9 +92,7 @@ def test_a_prompt_due_when_no_room_comes_fails_resource_exhausted_and_frees_both
         with pytest.raises(RouterError) as e:
             await c.collect(c.request("a", LONG, 5))
         assert e.value.code == "RESOURCE_EXHAUSTED" and "overloaded" in str(e.value)
-        await c.settle()
-        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
-        assert c.registry.get("decode-0").promised_blocks == 0
+        await nothing_held(c)
 
     run(go())
 

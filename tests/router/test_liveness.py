@@ -13,7 +13,7 @@ from engine.messages import Heartbeat
 from router.placement import PoolKind
 from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry
 from router.worker_client import Failure, WorkerError
-from tests.router.fakes import FakeWorker
+from tests.router.fakes import FakeWorker, until
 
 FAST = LivenessConfig(worker_timeout_s=0.2, interval_s=0.02, backoff_initial_s=0.05, backoff_max_s=0.2)
 
@@ -46,13 +46,6 @@ def manager(fleet: Fleet, n: int = 2) -> tuple[PoolManager, WorkerRegistry, list
     spec = PoolSpec(PoolKind.DECODE, n, EngineConfig(model="tiny-random"))
     return PoolManager([spec], registry, fleet.launch, FAST), registry, lost
 
-
-async def until(cond, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 def test_a_stalled_worker_is_declared_dead_killed_and_replaced():
