@@ -552,6 +552,11 @@ class Router:
             while True:
                 nxt = asyncio.ensure_future(anext(items))
                 await asyncio.wait({nxt, lost}, return_when=asyncio.FIRST_COMPLETED)
+                while not nxt.done() and not att.lost.is_set():
+                    # NOTE: a loss that was forgotten while this stream was suspended (`_reserve_late` found the
+                    # decode worker it tried lost and reserved on another): wait on
+                    lost = asyncio.ensure_future(att.lost.wait())
+                    await asyncio.wait({nxt, lost}, return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():
                     nxt.cancel()
                     n = att.lost_notice

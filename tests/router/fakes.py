@@ -104,6 +104,7 @@ class FakeWorker(WorkerClient):
         self.running_gate.set()
         self.prefill_gate.set()
         self.kv_gate.set()
+        self.reserve_gate.set()
         for waiting in self.destinations.values():
             if not waiting.done():
                 waiting.set_result(None)
@@ -160,6 +161,7 @@ class FakeWorker(WorkerClient):
     async def _reserve(self, key, prompt, params, src, timeout):
         await self._timed(self._enter(), timeout)
         await self.reserve_gate.wait()
+        await self._enter()  # (a call in flight when the process dies fails, as Ray's does)
         self.keys.append(key)
         assert key not in self.held, f"{key} reserved twice on {self.worker_id}"
         need = cdiv(len(prompt), BLOCK)
@@ -186,6 +188,7 @@ class FakeWorker(WorkerClient):
             self.destinations[key] = asyncio.get_running_loop().create_future()
             yield DestinationWanted(key)
             await self.destinations[key]
+            await asyncio.sleep(self.step_s)  # the last chunk's step
             await self._enter()
         failure, self.fail_next_prefill = self.fail_next_prefill, None
         if failure == "error":  # the step failed: no token

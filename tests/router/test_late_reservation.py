@@ -152,3 +152,24 @@ def test_late_reservation_off_reserves_every_prompt_at_placement():
         assert (await task)[0] == reference(LONG, 4)
 
     run(go())
+
+
+def test_the_chosen_decode_worker_dies_during_the_late_reservation_and_another_takes_the_prompt():
+    async def go():
+        c = FakeCluster(1, 2, horizon=HORIZON)
+        p = c["prefill-0"]
+        p.prefill_gate.clear()
+        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 6)))
+        await until(lambda: p.keys)
+        await c.settle()
+        chosen = next(w for w in ("decode-0", "decode-1") if c.registry.get(w).promised_blocks)
+        c[chosen].reserve_gate.clear()  # its reserve call hangs ...
+        p.prefill_gate.set()
+        await until(lambda: p.destinations)
+        await asyncio.sleep(0.05)
+        c.kill(chosen)  # ... and it dies under it: the prompt's stream must not take that loss for its own
+        tokens, _, state = await task
+        assert tokens == reference(LONG, 6) and not state.failures
+        assert state.decode_worker != chosen
+
+    run(go())
