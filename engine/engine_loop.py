@@ -118,7 +118,10 @@ class EngineLoop:
             idle = stalled or not self.engine.has_scheduled_work()
             # NOTE: idle with a transfer in flight, poll again within a millisecond: its completion is
             # what the next request's first token (or decode admission) waits on.
-            self._drain((0.001 if self.waiting_on_io or stalled else 0.05) if idle else 0)
+            # NOTE: a stalled step (nothing could run: every block held, or only prompts held for their KV
+            # destination) resumes on a command, which wakes the drain at once, or on a transfer, polled
+            # every millisecond as above: otherwise 10 ms, so a long wait for a destination spins no core
+            self._drain((0.001 if self.waiting_on_io else 0.01 if stalled else 0.05) if idle else 0)
             self.last_progress = time.monotonic()
             if not self.engine.has_scheduled_work():
                 continue

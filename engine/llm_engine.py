@@ -146,7 +146,8 @@ class LLMEngine:
     # -- the step loop ----------------------------------------------------------------------------------
 
     def has_scheduled_work(self) -> bool:
-        """Whether `step` would compute anything (requests waiting on a KV transfer do not count)."""
+        """Whether `step` may compute anything (requests waiting on a KV transfer do not count; a prompt held
+        for its KV destination does, and a step then schedules nothing for it)."""
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def load(self) -> EngineLoad:

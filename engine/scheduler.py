@@ -152,15 +152,30 @@ class Scheduler:
             req = self.waiting[0]
             if self._end_if_too_large(req, out):
                 continue
-            if not self._admit(req, budget):
+            if not self._admit(req, budget) and not self._admit_over_held(req, budget, out):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)  # (not popleft: a held prompt it displaced went back to the front)
             self.running.append(req)
             n = self._chunk_len(req, budget)
             if n:
                 out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
                 budget -= n
         return out
+
+    def _admit_over_held(self, req: Request, budget: int, out: SchedulerOutput) -> bool:
+        """FIFO admission when the blocks are full: preempt prompts held for their KV destination (most
+        recent first) until `req` fits. Held prompts cannot use their blocks until a decode worker has room,
+        and that room may be what a prompt waiting behind them holds reserved: letting them block admission
+        would stall the worker until the router gives up on them."""
+        held = [r for r in self.running if r.awaiting_destination]
+        while held:
+            victim = held.pop()
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if self._admit(req, budget):
+                return True
+        return False
 
     @staticmethod
     def _chunk_len(req: Request, budget: int) -> int:
@@ -221,7 +236,10 @@ class Scheduler:
         """Blocks for a prefilling prompt's next chunk, preempting the most recently admitted sequence that
         has no chunk this step (as the FIFO order would); False when there is none to preempt."""
         scheduled = {id(c.request) for c in out.chunks}
-        victims = [r for r in self.running if r is not req and id(r) not in scheduled]
+        # (popped from the end: the most recently admitted first, and prompts held for their KV destination
+        # last, since their KV is whole but for one token and they go on the moment it comes)
+        victims = sorted((r for r in self.running if r is not req and id(r) not in scheduled),
+                         key=lambda r: not r.awaiting_destination)
         need = cdiv(num_tokens, self.block_size) - len(req.block_ids)
         # NOTE: upper bound (a victim's blocks shared with a prefix another sequence holds do not free): when
         # even all of them cannot make room, preempt nobody and give the room back instead, as FIFO would

@@ -944,8 +944,11 @@ class Router:
     # -- draining ---------------------------------------------------------------------------------------
 
     def holds_work(self, worker: Worker) -> bool:
-        """Whether any attempt still depends on `worker` (prefilling on it, or reserved or decoding there)."""
-        return any(att.decode is worker or (att.prefill is worker and att.phase <= Phase.PREFILLING)
+        """Whether any attempt still depends on `worker` (prefilling on it, or reserved or decoding there; a
+        prompt only promised to it holds nothing there, and is reserved elsewhere when due: it is not
+        schedulable any more)."""
+        return any((att.decode is worker and not (att.reservation is None and att.promised))
+                   or (att.prefill is worker and att.phase <= Phase.PREFILLING)
                    for att in self._attempts.values())
 
     async def drain_worker(self, worker: Worker, method: Method = Method.KV, timeout_s: float = 300.0) -> bool:

@@ -272,3 +272,24 @@ def test_a_prompt_awaiting_its_kv_destination_computes_all_but_its_last_chunk_an
     out, advanced = engine.step()
     assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("held", 1)]
     assert advanced == [held] and len(held.output_token_ids) == 1
+
+
+@pytest.mark.parametrize("order", ["fifo", "fair"])
+def test_prompts_held_for_their_kv_destination_never_keep_another_prompt_out_of_a_full_cache(order):
+    """A held prompt cannot use its blocks until a decode worker has room, and that room may be what a prompt
+    queued behind it holds reserved: a full cache must not stall the worker behind it (in FIFO order the
+    waiting prompt's admission preempts it; in fair order it is the last victim)."""
+    engine = make_engine(num_blocks=8, max_num_batched_tokens=32, prefill_order=order)
+    held = Request("held", PROMPT, greedy(1), 16, prefill_only=True, awaiting_destination=True)
+    engine.scheduler.add(held)
+    for _ in range(4):
+        engine.step()
+    assert held.num_computed_tokens == len(PROMPT) - 1  # 5 of the 8 blocks
+    other = engine.add_request(PROMPT[::-1], greedy(3, ignore_eos=True))
+    for _ in range(40):
+        engine.step()
+    assert len(other.output_token_ids) == 3, "the other prompt was kept out behind the held one"
+    held.awaiting_destination = False  # its destination came: it is recomputed if it was preempted, and ends
+    for _ in range(10):
+        engine.step()
+    assert len(held.output_token_ids) == 1

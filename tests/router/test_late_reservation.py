@@ -173,3 +173,20 @@ def test_the_chosen_decode_worker_dies_during_the_late_reservation_and_another_t
         assert state.decode_worker != chosen
 
     run(go())
+
+
+def test_draining_a_decode_worker_only_promised_a_prompt_does_not_wait_for_it():
+    async def go():
+        c = FakeCluster(1, 2, horizon=HORIZON)
+        p = c["prefill-0"]
+        p.prefill_gate.clear()  # the prompt queues on the prefill worker for a long time
+        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 6)))
+        await until(lambda: p.keys)
+        await c.settle()
+        chosen = next(w for w in ("decode-0", "decode-1") if c.registry.get(w).promised_blocks)
+        assert await c.router.drain_worker(c.registry.get(chosen), timeout_s=0.5), "it held nothing"
+        p.prefill_gate.set()
+        tokens, _, state = await task
+        assert tokens == reference(LONG, 6) and not state.failures and state.decode_worker != chosen
+
+    run(go())
