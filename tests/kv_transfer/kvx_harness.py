@@ -37,7 +37,8 @@ def make_config(transport: str, port: int | None, secret: str | None = SECRET) -
     Link requests are authenticated, as in a deployment, unless `secret` is None."""
     return KVTransferConfig(kv_transport=transport, rendezvous_host=HOST if transport == "torch" else None,
                             rendezvous_port=port if transport == "torch" else None, connect_timeout_s=20.0,
-                            op_timeout_s=2.0, keepalive_s=0.25, liveness_s=2.0, secret=secret)
+                            op_timeout_s=6.0 if transport == "ray" else 2.0, keepalive_s=0.25, liveness_s=2.0,
+                            secret=secret)
 
 
 @dataclass(frozen=True)
