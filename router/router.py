@@ -7,7 +7,9 @@ Disaggregated attempt (see `router.lifecycle` for the request's phases):
      (`choose_decode`); `reserve` there returns the destination blocks as a lease, or None when it is out
      of room, in which case the request waits in a bounded admission queue (past the bound:
      RESOURCE_EXHAUSTED at once, before any prefill). The lease is renewed on every heartbeat of the
-     prefill worker, so it lasts as long as the prefill makes progress, however long that is;
+     prefill worker, so it lasts as long as the prefill makes progress, however long that is. A prompt
+     longer than its prefill worker's horizon is reserved late instead, when that worker nears its last
+     chunk (`_may_defer`, `_reserve_late`): blocks reserved at placement would sit idle while it queues;
   3. `prefill` on the prefill worker computes the prompt, pushes its KV layer by layer into the reserved
      blocks and answers with the first token;
   4. `start` on the decode worker, whose per-step messages (one per step for all its sequences) a single
@@ -760,7 +762,8 @@ class Router:
     async def _reserve_late(self, att: Attempt, prefill: Worker) -> Worker:
         """The prefill worker nears the last chunk of a prompt sent without its decode blocks: reserve them,
         on the decode worker chosen at placement if it still has room, else on another (by node and free
-        blocks), waiting for room while there is none, and hand them to the prefill worker. The decode worker.
+        blocks), waiting for room while there is none, and hand them to the prefill worker. Returns the decode
+        worker that holds them.
 
         Waiting here is not the admission queue: the request was admitted and its prompt mostly computed;
         it fails RESOURCE_EXHAUSTED only after `admission_timeout_s` with no decode room at all."""
