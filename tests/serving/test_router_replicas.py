@@ -263,7 +263,12 @@ def test_a_dead_mailbox_is_recreated_and_admin_through_the_other_replica_works_a
     mailbox = ray.get_actor(f"routers-{port}", namespace="pdserve")
     described = _ray_get(mailbox.describe.remote())
     assert described["lead"] == "" and set(described["replicas"]) == {1}
-    assert server.server.replicas.leads()  # the lead beats in the new one
+    # the lead beats in the new one: at its next beat, which on a slow machine may come after the read above
+    # (its confirmation of the lead lapsed while the mailbox was gone)
+    deadline = time.monotonic() + 15
+    while not server.server.replicas.leads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.server.replicas.leads()
 
 
 def test_a_lone_router_does_not_share_a_taken_port(server):
