@@ -90,6 +90,7 @@ class FakeWorker(WorkerClient):
         self.destination_horizon_tokens = 0
         self.destinations: dict[str, asyncio.Future] = {}  # key -> set by set_destination
         self.destinations_set: list[tuple[str, Reservation]] = []
+        self.reserve_calls: list[str] = []  # keys whose reserve call got past the process's door
         self._outbox: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._loop_task: asyncio.Task | None = None
         self.cache: BlockAllocator | None = None  # set: `report` reads its prefix-cache change log
@@ -160,6 +161,7 @@ class FakeWorker(WorkerClient):
 
     async def _reserve(self, key, prompt, params, src, timeout):
         await self._timed(self._enter(), timeout)
+        self.reserve_calls.append(key)  # (in flight from here)
         await self.reserve_gate.wait()
         await self._enter()  # (a call in flight when the process dies fails, as Ray's does)
         self.keys.append(key)

@@ -26,6 +26,18 @@ async def nothing_held(c: FakeCluster) -> None:
     assert c.registry.get("decode-0").promised_blocks == 0
 
 
+async def start_deferred(c: FakeCluster, max_tokens: int) -> tuple[asyncio.Task, str]:
+    """A LONG prompt, held on prefill-0 (its gate closed) with no decode blocks reserved: the running request
+    and the decode worker it was promised to."""
+    p = c["prefill-0"]
+    p.prefill_gate.clear()
+    task = asyncio.ensure_future(c.collect(c.request("a", LONG, max_tokens)))
+    await until(lambda: p.keys)
+    await c.settle()
+    chosen = next(w for w in c.workers if w.startswith("decode-") and c.registry.get(w).promised_blocks)
+    return task, chosen
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
@@ -100,15 +112,10 @@ def test_a_prompt_due_when_no_room_comes_fails_resource_exhausted_and_frees_both
 def test_the_decode_worker_chosen_at_placement_dies_before_the_prompt_is_due_and_nothing_fails():
     async def go():
         c = FakeCluster(1, 2, horizon=HORIZON)
-        p = c["prefill-0"]
-        p.prefill_gate.clear()
-        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 6)))
-        await until(lambda: p.keys)
-        await c.settle()
-        chosen = next(w for w in ("decode-0", "decode-1") if c.registry.get(w).promised_blocks)
+        task, chosen = await start_deferred(c, 6)
         other = "decode-1" if chosen == "decode-0" else "decode-0"
         c.kill(chosen)  # it held nothing for the prompt: the prompt is not failed, it goes elsewhere
-        p.prefill_gate.set()
+        c["prefill-0"].prefill_gate.set()
         tokens, _, state = await task
         assert tokens == reference(LONG, 6) and not state.failures
         assert state.decode_worker == other
@@ -157,16 +164,10 @@ def test_late_reservation_off_reserves_every_prompt_at_placement():
 def test_the_chosen_decode_worker_dies_during_the_late_reservation_and_another_takes_the_prompt():
     async def go():
         c = FakeCluster(1, 2, horizon=HORIZON)
-        p = c["prefill-0"]
-        p.prefill_gate.clear()
-        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 6)))
-        await until(lambda: p.keys)
-        await c.settle()
-        chosen = next(w for w in ("decode-0", "decode-1") if c.registry.get(w).promised_blocks)
+        task, chosen = await start_deferred(c, 6)
         c[chosen].reserve_gate.clear()  # its reserve call hangs ...
-        p.prefill_gate.set()
-        await until(lambda: p.destinations)
-        await asyncio.sleep(0.05)
+        c["prefill-0"].prefill_gate.set()
+        await until(lambda: c[chosen].reserve_calls)
         c.kill(chosen)  # ... and it dies under it: the prompt's stream must not take that loss for its own
         tokens, _, state = await task
         assert tokens == reference(LONG, 6) and not state.failures
@@ -178,14 +179,9 @@ def test_the_chosen_decode_worker_dies_during_the_late_reservation_and_another_t
 def test_draining_a_decode_worker_only_promised_a_prompt_does_not_wait_for_it():
     async def go():
         c = FakeCluster(1, 2, horizon=HORIZON)
-        p = c["prefill-0"]
-        p.prefill_gate.clear()  # the prompt queues on the prefill worker for a long time
-        task = asyncio.ensure_future(c.collect(c.request("a", LONG, 6)))
-        await until(lambda: p.keys)
-        await c.settle()
-        chosen = next(w for w in ("decode-0", "decode-1") if c.registry.get(w).promised_blocks)
+        task, chosen = await start_deferred(c, 6)  # the prompt queues on the prefill worker for a long time
         assert await c.router.drain_worker(c.registry.get(chosen), timeout_s=0.5), "it held nothing"
-        p.prefill_gate.set()
+        c["prefill-0"].prefill_gate.set()
         tokens, _, state = await task
         assert tokens == reference(LONG, 6) and not state.failures and state.decode_worker != chosen
 
