@@ -57,7 +57,7 @@ def _trial(dep: LocalDeployment, stub, admin_stub, prompt: list[int], max_tokens
         drained["response"] = admin_stub.DrainWorker(admin.DrainWorkerRequest(
             worker_id=worker_id, method=METHODS[method]), timeout=600)
 
-    gaps, n, last, mover, final = [], 0, 0.0, None, None
+    gaps, n, last, mover, final, drain_at = [], 0, 0.0, None, None, 0
     for r in stub.Generate(req, timeout=600):
         now = time.monotonic()
         if r.token_ids:
@@ -71,15 +71,18 @@ def _trial(dep: LocalDeployment, stub, admin_stub, prompt: list[int], max_tokens
                           if s.req.params.max_tokens == max_tokens)
             mover = threading.Thread(target=drain, args=(holder,))
             mover.start()
+            drain_at = n
         final = r
     mover.join()
-    pause, at = max(gaps)
+    # NOTE: the longest gap from the drain call on: before it, a slow step on a busy machine can be longer
+    # than a short move's pause, and is not the move's cost
+    pause, at = max((g, i) for g, i in gaps if i >= drain_at)
     out = drained["response"]
     assert n == max_tokens and out.clean, (n, out)
     assert (out.moved_kv, out.moved_recompute) == ((1, 0) if method == "kv" else (0, 1)), out
     # the steady gap: the median of the gaps after the move, for scale
-    return {"pause_s": pause, "pause_at_token": at, "steady_gap_s": statistics.median(g for g, i in gaps if i > at),
-            "prefill_s": final.timing.prefill_seconds}
+    return {"pause_s": pause, "pause_at_token": at, "drain_at_token": drain_at,
+            "steady_gap_s": statistics.median(g for g, i in gaps if i > at), "prefill_s": final.timing.prefill_seconds}
 
 
 class Background:

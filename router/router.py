@@ -766,7 +766,8 @@ class Router:
         worker that holds them.
 
         Waiting here is not the admission queue: the request was admitted and its prompt mostly computed;
-        it fails RESOURCE_EXHAUSTED only after `admission_timeout_s` with no decode room at all."""
+        it fails only after `admission_timeout_s` with no decode room at all: RESOURCE_EXHAUSTED, or UNAVAILABLE
+        when no decode worker is alive."""
         need = cdiv(len(att.prompt), self.block_size)
         deadline = time.time() + self.config.admission_timeout_s
         preferred = att.decode
@@ -782,6 +783,10 @@ class Router:
                 wid = choose_decode(prefill.info.node_id, need, [w.snapshot() for w in live])
             if wid is None:
                 tried.clear()
+                if not any(w.alive for w in self.registry.schedulable(PoolKind.DECODE)):
+                    await self._wait_room(deadline, "UNAVAILABLE", "no live decode worker for a prompt nearing "
+                                          "the end of its prefill: the decode pool is being replaced")
+                    continue
                 await self._wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV "
                                       f"blocks within {self.config.admission_timeout_s:.0f}s of the prompt's "
                                       "prefill nearing its end; the decode pool is overloaded, retry later")

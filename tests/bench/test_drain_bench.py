@@ -22,4 +22,4 @@ def test_drain_bench_measures_each_method(ray_cluster, tmp_path):
     assert sorted(r["method"] for r in summary["trials"]) == sorted(list(METHODS) * 2)
     ctx = summary["contexts"]["64"]
     assert all(ctx[f"pause_{m}_s"] > 0 for m in METHODS)
-    assert all(r["pause_at_token"] >= 8 for r in summary["trials"])  # the move came after the tokens asked for
+    assert all(r["drain_at_token"] >= 8 for r in summary["trials"])  # the move came after the tokens asked for

@@ -109,6 +109,21 @@ def test_a_prompt_due_when_no_room_comes_fails_resource_exhausted_and_frees_both
     run(go())
 
 
+def test_a_prompt_due_when_the_whole_decode_pool_is_gone_fails_unavailable_not_overloaded():
+    async def go():
+        c = FakeCluster(1, 1, horizon=HORIZON, admission_timeout_s=0.5)
+        task, chosen = await start_deferred(c, 5)
+        c.kill(chosen)  # the only decode worker: no room is coming, and it is not a matter of load
+        c["prefill-0"].prefill_gate.set()
+        with pytest.raises(RouterError) as e:
+            await task
+        assert e.value.code == "UNAVAILABLE" and "no live decode worker" in str(e.value)
+        await c.settle()
+        assert c.blocks_in_use()["prefill-0"] == 0
+
+    run(go())
+
+
 def test_the_decode_worker_chosen_at_placement_dies_before_the_prompt_is_due_and_nothing_fails():
     async def go():
         c = FakeCluster(1, 2, horizon=HORIZON)
