@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ class LivenessConfig:
     interval_s: float = 0.5  # how often each worker is pinged and its load refreshed
     backoff_initial_s: float = 0.5  # first wait after a replacement failed to start
     backoff_max_s: float = 30.0
+    # a crash loop: this many workers of one pool in a row lost within `crash_window_s` of being ready; from
+    # then on each replacement waits the same backoff as a failed start, until a worker outlives the window
+    crash_window_s: float = 30.0
+    crash_loop_after: int = 3
 
     def __post_init__(self) -> None:
         if self.worker_timeout_s <= 0:
@@ -247,6 +252,9 @@ class PoolManager:
         self._next_index: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}
         self._backoff: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
         self._retry_at: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
+        self._quick_losses: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}  # in a row (crash loop)
+        self._young: dict[Worker, float] = {}  # when each worker it started was ready, until the crash window
+        registry.on_lost.append(self._lost)
         self._background = Background()
         self._stopping = False
 
@@ -325,13 +333,36 @@ class PoolManager:
         try:
             worker = await self._start_one(spec)
         except Exception as e:  # noqa: BLE001 - logged, retried after a backoff
-            b = self._backoff[spec.kind] = min(max(self._backoff[spec.kind] * 2, self.liveness.backoff_initial_s),
-                                               self.liveness.backoff_max_s)
-            self._retry_at[spec.kind] = time.monotonic() + b
+            b = self._back_off(spec.kind)
             logger.error("replacement %s worker failed to start (%s); retrying in %.1fs", spec.kind.value, e, b)
             return
-        self._backoff[spec.kind] = 0.0
         logger.info("replacement worker %s ready on node %s", worker.worker_id, worker.info.node_ip)
+
+    def _back_off(self, kind: PoolKind) -> float:
+        """Hold the pool's next replacement back, twice as long as the last time (within the configured
+        bounds); returns the wait."""
+        cfg = self.liveness
+        b = self._backoff[kind] = min(max(self._backoff[kind] * 2, cfg.backoff_initial_s), cfg.backoff_max_s)
+        self._retry_at[kind] = time.monotonic() + b
+        return b
+
+    def _lost(self, worker: Worker, why: str) -> None:
+        """(`WorkerRegistry.on_lost`) A worker this manager started was lost within the crash window of being
+        ready, not retired: the pool is one loss nearer a crash loop, and in one its replacements back off.
+
+        NOTE: a worker that dies soon after every start (a bad node, a driver fault, host memory) would
+        otherwise be replaced in a loop as tight as a model load, each start loading the cluster and its
+        logs. A single quick loss is not a loop (a chaos drill, a node lost under a fresh worker), so it
+        takes `crash_loop_after` in a row; one worker outliving the window ends it (`_watch`)."""
+        if self._young.pop(worker, None) is None or worker.draining or self._stopping:
+            return
+        kind, cfg = worker.kind, self.liveness
+        n = self._quick_losses[kind] = self._quick_losses[kind] + 1
+        if n >= cfg.crash_loop_after:
+            b = self._back_off(kind)
+            logger.error("%s pool in a crash loop: %d workers in a row lost within %.0fs of being ready (the last, "
+                         "%s: check its log); the next replacement waits %.1fs", kind.value, n, cfg.crash_window_s,
+                         worker.worker_id, b)
 
     async def _start_one(self, spec: PoolSpec) -> Worker:
         worker_id = f"{spec.kind.value}-{self._next_index[spec.kind]}"
@@ -355,6 +386,7 @@ class PoolManager:
             self.pending[spec.kind] -= 1
         worker = make_worker(info, client, spec.kind)
         self.registry.add(worker)
+        self._young[worker] = time.monotonic()
         self._background.spawn(self._watch(worker))
         return worker
 
@@ -363,6 +395,9 @@ class PoolManager:
         cfg = self.liveness
         report: asyncio.Task | None = None
         while worker.alive and not self._stopping:
+            if self._young.get(worker, math.inf) <= time.monotonic() - cfg.crash_window_s:
+                del self._young[worker]  # it outlived the crash window: whatever failed before, the pool works
+                self._quick_losses[worker.kind], self._backoff[worker.kind] = 0, 0.0
             try:
                 hb = await worker.client.ping(cfg.worker_timeout_s)
             except WorkerError as e:

@@ -143,6 +143,49 @@ def test_failed_replacements_back_off_exponentially_and_the_pool_grows_back():
     asyncio.run(go())
 
 
+def test_workers_that_die_soon_after_every_start_back_off_and_one_that_lives_ends_the_crash_loop():
+    """A worker that starts and then dies at once, again and again (a bad node, a driver fault), is replaced
+    after a growing wait, not as fast as it can load; a worker that outlives the crash window resets it."""
+
+    async def go():
+        fleet = Fleet()
+        registry = WorkerRegistry()
+        spec = PoolSpec(PoolKind.DECODE, 1, EngineConfig(model="tiny-random"))
+        cfg = dataclasses.replace(FAST, crash_window_s=0.6, crash_loop_after=3, backoff_max_s=0.4)
+        pm = PoolManager([spec], registry, fleet.launch, cfg)
+        await pm.start()
+        maintain = asyncio.ensure_future(pm.maintain())
+        crashing = True
+
+        async def crash_each_new_worker() -> None:
+            while crashing:
+                for w in registry.live(PoolKind.DECODE):
+                    fleet.started[w.worker_id].die()
+                    registry.lose(w, "SIGSEGV right after its start")
+                await asyncio.sleep(0.005)
+
+        killer = asyncio.ensure_future(crash_each_new_worker())
+        await asyncio.sleep(1.5)
+        crashing = False
+        await killer
+        # without the backoff: a start per 20 ms tick, ~75. With it, 3 quick losses, then waits of
+        # 0.05 + 0.1 + 0.2 + 0.4 + 0.4 + ... s: about 8
+        assert 4 <= fleet.attempts <= 12, fleet.attempts
+        await until(lambda: len(registry.live(PoolKind.DECODE)) == 1, timeout=5)
+        await asyncio.sleep(0.8)  # it outlives the window: the pool is healthy again
+        assert pm._quick_losses[PoolKind.DECODE] == 0 and pm._backoff[PoolKind.DECODE] == 0
+        before = fleet.attempts
+        w = registry.live(PoolKind.DECODE)[0]
+        fleet.started[w.worker_id].die()
+        registry.lose(w, "SIGKILL")  # one loss after a healthy run is replaced at once
+        await until(lambda: len(registry.live(PoolKind.DECODE)) == 1, timeout=0.5)
+        assert fleet.attempts == before + 1
+        maintain.cancel()
+        await pm.close()
+
+    asyncio.run(go())
+
+
 def test_a_worker_running_other_code_is_refused_killed_and_its_replacement_backs_off():
     """The router and its workers exchange pickled `engine.messages` types: a worker from another build (a
     node with another image, a checkout edited under a running deployment) is refused at its start, before
