@@ -113,12 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--rounds", type=int, default=1, help="ABC-CBA rounds per context")
+    ap.add_argument("--order", nargs="+", choices=sorted(METHODS), default=list(ORDER),
+                    help="the methods of one round, in turn (default: ABC CBA, so each sees the same drift)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--move-after", type=int, default=16)
     ap.add_argument("--background", type=int, default=0, help="clients keeping the prefill worker busy")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON results to this file")
     args = ap.parse_args(argv)
+    if set(args.order) != set(METHODS):
+        ap.error(f"--order must name every method ({', '.join(METHODS)}): the summary compares them")
     if not 0 < args.move_after < args.max_tokens - 8:
         ap.error("--move-after must leave at least 8 tokens after the move")
 
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         background = Background(stub, args.background, vocab)
         for ctx in args.contexts:
             for rnd in range(args.rounds):
-                for method in ORDER:
+                for method in args.order:
                     admin_stub.ScalePool(admin.ScalePoolRequest(pool=pb.POOL_KIND_DECODE, num_workers=2),
                                          timeout=600)
                     prompt = [rng.randrange(1, vocab) for _ in range(ctx)]

@@ -44,8 +44,8 @@ def main() -> None:
     out: dict = {}
     cluster = NetnsCluster()
     rng = random.Random(11)
-    long_a = [rng.randrange(100, 40000) for _ in range(2000)]
-    long_b = [rng.randrange(100, 40000) for _ in range(2000)]
+    long_a = [rng.randrange(100, 40000) for _ in range(1300)]  # 60 MB of KV: 5 s at 100 Mbit/s
+    long_b = [rng.randrange(100, 40000) for _ in range(1300)]
     stream_prompt = [rng.randrange(100, 40000) for _ in range(64)]
     llm = LLM("smollm2-135m", num_blocks=400, max_num_batched_tokens=2048)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
@@ -80,7 +80,7 @@ def main() -> None:
             out["short_equal"].append(token_ids(res) == want)
             out["kv_crossed"].append({"node": node, "link_rx_bytes": rx, "kv_bytes": kv})
 
-        # 2. a 2k-token prompt, unthrottled, then with both decode links held to 100 Mbit/s
+        # 2. a 1,300-token prompt, unthrottled, then with both decode links held to 100 Mbit/s
         def long_run(prompt, want) -> dict:
             kv_before = kv_totals(server)
             res = server.generate(greedy_request(prompt, 8, ignore_eos=True), timeout=300)

@@ -46,7 +46,9 @@ def references() -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def server(ray_cluster):
     # NOTE: 48 decode blocks hold ~24 of the 200 concurrent requests: the replicas contend for them
-    with running_server(model=MODEL, prefill_workers=2, decode_workers=1, num_blocks=48, routers=2) as s:
+    # NOTE: --worker-timeout 5 (as the lead-failover deployment): a stalled replica is fenced sooner
+    with running_server(model=MODEL, prefill_workers=2, decode_workers=1, num_blocks=48, routers=2,
+                        worker_timeout=5) as s:
         yield s
 
 
