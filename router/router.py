@@ -143,6 +143,9 @@ class RouterConfig:
     # a prompt longer than its prefill worker's horizon (`WorkerInfo.destination_horizon_tokens`) gets its
     # decode blocks when that worker nears its last chunk, not at placement: they would sit idle meanwhile
     late_reservation: bool = True
+    # the share of each decode worker's cache this router may promise to such prompts: 1 / the number of
+    # router replicas, which promise independently, so that together they promise at most one cache
+    promise_share: float = 1.0
     kv_move_timeout_s: float = 60.0  # a drain's KV move (reserve, push every layer, start) must end in this
     # compare a SHA-256 of every moved sequence's KV at the source and the destination before decoding on
     # (a full read of its KV on both: a debugging and proof aid, off in production)
@@ -157,6 +160,8 @@ class RouterConfig:
             raise ValueError(f"--placement must be 'joint' or 'separate', got {self.placement!r}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if not 0 < self.promise_share <= 1:
+            raise ValueError(f"promise_share must be in (0, 1], got {self.promise_share}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.max_buffered_steps < 4:
@@ -735,7 +740,8 @@ class Router:
     def _may_defer(self, att: Attempt, prefill: Worker, decode: Worker, need: int) -> bool:
         """Whether the attempt's decode blocks may be reserved later, when its prefill worker nears the last
         chunk: the prompt is longer than that worker's horizon (a shorter one would ask at once), and `decode`
-        has not been promised more than its whole cache in such prompts.
+        has not been promised more than its whole cache in such prompts (its `promise_share` of it with router
+        replicas).
 
         NOTE: this overcommits on purpose. The blocks a prompt would hold while it queues and computes on a
         prefill worker serve decoding sequences meanwhile, betting that the decode worker has room again by
@@ -745,7 +751,7 @@ class Router:
         worker."""
         horizon = prefill.info.destination_horizon_tokens
         return (self.config.late_reservation and horizon > 0 and att.prefill_tokens > horizon
-                and decode.promised_blocks + need <= decode.load.total_blocks)
+                and decode.promised_blocks + need <= self.config.promise_share * decode.load.total_blocks)
 
     def _promise(self, att: Attempt, decode: Worker, need: int) -> None:
         att.promised = need

@@ -190,7 +190,8 @@ class ServeConfig:
                             placement=self.placement, local_prefill=self.local_prefill, router_id=router_id,
                             # (the engine caps prompt tokens per step in fair order only)
                             local_chunk_tokens=self.decode_prefill_chunk_tokens if self.prefill_order == "fair"
-                            else 0, cost_priors=self.cost_priors, late_reservation=self.late_reservation)
+                            else 0, cost_priors=self.cost_priors, late_reservation=self.late_reservation,
+                            promise_share=1 / self.routers)
 
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:

@@ -62,6 +62,29 @@ def test_a_long_prompt_holds_no_decode_block_until_its_prefill_worker_asks():
     run(go())
 
 
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_a_decode_worker_is_promised_at_most_its_share_of_its_cache_and_then_reserved_at_placement(share):
+    """With --routers N each replica promises 1/N of a decode worker's cache (64 blocks here), so that all of
+    them together promise at most one cache: past it, a long prompt's blocks are reserved at placement."""
+    async def go():
+        c = FakeCluster(1, 1, horizon=HORIZON, promise_share=share)
+        p, d = c["prefill-0"], c["decode-0"]
+        p.prefill_gate.clear()
+        prompts = [[100 * i + t for t in LONG] for i in range(1, 5)]  # 10 blocks each, no shared prefix
+        tasks = [asyncio.ensure_future(c.collect(c.request(f"r{i}", x, 3))) for i, x in enumerate(prompts)]
+        await until(lambda: len(p.keys) == 4)
+        await c.settle()
+        deferred = min(4, int(share * 64) // 10)  # 4 under the whole cache, 3 under half of it
+        assert c.registry.get("decode-0").promised_blocks == 10 * deferred
+        assert d.blocks_in_use == 10 * (4 - deferred)
+        p.prefill_gate.set()
+        for x, t in zip(prompts, tasks):
+            assert (await t)[0] == reference(x, 3)
+        await nothing_held(c)
+
+    run(go())
+
+
 def test_a_short_prompt_is_reserved_at_placement_as_before():
     async def go():
         c = FakeCluster(1, 1, horizon=HORIZON)
@@ -201,3 +224,10 @@ def test_draining_a_decode_worker_only_promised_a_prompt_does_not_wait_for_it():
         assert tokens == reference(LONG, 6) and not state.failures and state.decode_worker != chosen
 
     run(go())
+
+
+def test_router_replicas_split_the_promise_between_them():
+    from router.server import ServeConfig
+
+    assert ServeConfig(model="tiny-random").router_config().promise_share == 1.0
+    assert ServeConfig(model="tiny-random", routers=4).router_config().promise_share == 0.25
