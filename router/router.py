@@ -454,7 +454,7 @@ class Router:
         """The prefill worker computes the prompt and ships its KV to the decode worker reserved for it
         (`_place` chose both and counted the prompt in the prefill worker's queue)."""
         prefill, decode = att.prefill, att.decode
-        queued = True
+        queued = att.prefill_tokens  # of the prompt's tokens counted in the prefill worker's queue
         first = not state.generated
         first_out: float | None = None
         result: PrefillResult | None = None
@@ -466,10 +466,15 @@ class Router:
                         result = item
                         continue
                     if isinstance(item, DestinationWanted):
+                        # NOTE: all but its last horizon of tokens are computed: a prompt held for decode room
+                        # must not make its prefill worker look busy to placement meanwhile
+                        left = min(queued, prefill.info.destination_horizon_tokens)
+                        prefill.inflight_prefill_tokens -= queued - left
+                        queued = left
                         decode = await self._reserve_late(att, prefill)
                         continue
-                    prefill.inflight_prefill_tokens -= att.prefill_tokens
-                    queued = False
+                    prefill.inflight_prefill_tokens -= queued
+                    queued = 0
                     self.cost.observe_prefill(prefill.worker_id, len(att.prompt) - item.num_cached_tokens,
                                               item.compute_s or item.sampled_at - item.scheduled_at)
                     if first:
@@ -503,8 +508,7 @@ class Router:
                         raise AttemptFailed(Cause.RESERVATION, decode.worker_id,
                                             "the reservation lapsed before decoding")
         finally:
-            if queued:
-                prefill.inflight_prefill_tokens -= att.prefill_tokens
+            prefill.inflight_prefill_tokens -= queued
         if result is None:
             raise AttemptFailed(Cause.WORKER_ERROR, prefill.worker_id, "the prefill stream ended without an outcome")
         if result.report is not None and prefill.alive:

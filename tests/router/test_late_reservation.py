@@ -111,10 +111,13 @@ def test_a_prompt_due_on_a_full_decode_pool_waits_for_room_instead_of_failing():
         p.prefill_gate.set()
         await asyncio.sleep(0.3)
         assert not task.done() and not p.destinations_set  # waiting, its KV kept on the prefill worker
+        # computed but its last horizon of tokens: placement does not see 40 tokens queued on prefill-0
+        assert c.registry.get("prefill-0").inflight_prefill_tokens <= HORIZON
         d.reserve_full = False  # a sequence finished
         c.router._room.set()
         tokens, _, state = await task
         assert tokens == reference(LONG, 5) and not state.failures
+        assert c.registry.get("prefill-0").inflight_prefill_tokens == 0
 
     run(go())
 
