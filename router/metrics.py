@@ -171,6 +171,9 @@ class Metrics(RequestObserver):
                                  registry=r)
         self.pool_serving = Gauge("pdserve_pool_serving", "1 while the pool has at least one live worker.",
                                   ["model", "pool"], registry=r)
+        self.pool_backoff = Gauge("pdserve_pool_replacement_backoff_seconds", "Seconds before the pool may start "
+                                  "its next replacement worker: above 0 after failed starts or in a crash loop.",
+                                  ["model", "pool"], registry=r)
 
         for outcome in OUTCOMES:  # zero series exist from the start, so rate() and dashboards see them
             self.requests.labels(model, outcome)
@@ -319,11 +322,12 @@ class Metrics(RequestObserver):
         else:
             self.kv_move_failures.labels(self.model, src, dst).inc()
 
-    def on_pool_size(self, pool: str, live: int, target: int) -> None:
+    def on_pool_size(self, pool: str, live: int, target: int, backoff_s: float = 0.0) -> None:
         self.workers_lost.labels(self.model, pool)  # a zero series per pool from the start
         self.pool_live.labels(self.model, pool).set(live)
         self.pool_target.labels(self.model, pool).set(target)
         self.pool_serving.labels(self.model, pool).set(1 if live else 0)
+        self.pool_backoff.labels(self.model, pool).set(backoff_s)
 
 
 def _decode_pool(ttft_pool: str) -> str:

@@ -52,8 +52,9 @@ class RequestObserver:
         """A disaggregated attempt was placed: `path` is "remote" (prefill pool + KV transfer) or "local"
         (prefilled by its decode worker)."""
 
-    def on_pool_size(self, pool: str, live: int, target: int) -> None:
-        """A pool's live workers against its target size (refreshed on every liveness tick)."""
+    def on_pool_size(self, pool: str, live: int, target: int, backoff_s: float = 0.0) -> None:
+        """A pool's live workers against its target size, and how long its next replacement must wait
+        (`PoolManager.backoff_left`), refreshed on every liveness tick."""
 
     def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
         """A prompt's KV transfer ended: `seconds` from opening it to the last layer acknowledged."""

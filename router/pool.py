@@ -264,6 +264,10 @@ class PoolManager:
     def spec(self, kind: PoolKind) -> PoolSpec:
         return next(s for s in self.specs if s.kind is kind)
 
+    def backoff_left(self, kind: PoolKind) -> float:
+        """Seconds before the pool may start its next replacement (0: at once)."""
+        return max(0.0, self._retry_at[kind] - time.monotonic())
+
     async def start(self) -> None:
         """Start every pool's workers and wait until each has loaded its model."""
         starts = [asyncio.ensure_future(self._start_one(spec)) for spec in self.specs for _ in range(spec.num_workers)]

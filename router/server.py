@@ -393,7 +393,7 @@ class Server:
                 live = len(self.pools.live(spec.kind))
                 target = self.pools.targets[spec.kind]
                 if self.observer is not None and self.reports_pools:
-                    self.observer.on_pool_size(spec.kind.value, live, target)
+                    self.observer.on_pool_size(spec.kind.value, live, target, self.pools.backoff_left(spec.kind))
                 if not live and target:
                     empty.append(spec.kind.value)
             now = not empty and not self.router.draining

@@ -58,6 +58,7 @@ EXPECTED = {
     "pdserve_pool_live_workers": ("gauge", {"model", "pool"}),
     "pdserve_pool_target_workers": ("gauge", {"model", "pool"}),
     "pdserve_pool_serving": ("gauge", {"model", "pool"}),
+    "pdserve_pool_replacement_backoff_seconds": ("gauge", {"model", "pool"}),
     "pdserve_cost_prefill_tokens_per_second": ("gauge", {"model", "worker"}),
     "pdserve_cost_link_bytes_per_second": ("gauge", {"model", "src", "dst"}),
     "pdserve_cost_decode_step_seconds": ("gauge", {"model", "worker"}),
@@ -188,9 +189,10 @@ def test_migrations_by_cause_and_pool_sizes():
     m.on_pool_size("prefill", 0, 2)
     assert value(m, "pdserve_pool_serving", pool="prefill") == 0
     assert value(m, "pdserve_pool_target_workers", pool="prefill") == 2
-    m.on_pool_size("prefill", 1, 2)
+    m.on_pool_size("prefill", 1, 2, backoff_s=4.0)
     assert value(m, "pdserve_pool_serving", pool="prefill") == 1
     assert value(m, "pdserve_pool_live_workers", pool="prefill") == 1
+    assert value(m, "pdserve_pool_replacement_backoff_seconds", pool="prefill") == 4.0
 
 
 def test_kv_transfers_observe_latency_and_bytes_and_count_failures():

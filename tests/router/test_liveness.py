@@ -171,6 +171,7 @@ def test_workers_that_die_soon_after_every_start_back_off_and_one_that_lives_end
         # without the backoff: a start per 20 ms tick, ~75. With it, 3 quick losses, then waits of
         # 0.05 + 0.1 + 0.2 + 0.4 + 0.4 + ... s: about 8
         assert 4 <= fleet.attempts <= 12, fleet.attempts
+        assert pm.backoff_left(PoolKind.DECODE) > 0  # what pdserve_pool_replacement_backoff_seconds shows
         await until(lambda: len(registry.live(PoolKind.DECODE)) == 1, timeout=5)
         await asyncio.sleep(0.8)  # it outlives the window: the pool is healthy again
         assert pm._quick_losses[PoolKind.DECODE] == 0 and pm._backoff[PoolKind.DECODE] == 0
