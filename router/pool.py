@@ -254,6 +254,7 @@ class PoolManager:
         self._retry_at: dict[PoolKind, float] = {spec.kind: 0.0 for spec in specs}
         self._quick_losses: dict[PoolKind, int] = {spec.kind: 0 for spec in specs}  # in a row (crash loop)
         self._young: dict[Worker, float] = {}  # when each worker it started was ready, until the crash window
+        self._last_quick_loss: dict[PoolKind, float] = {spec.kind: -math.inf for spec in specs}
         registry.on_lost.append(self._lost)
         self._background = Background()
         self._stopping = False
@@ -357,10 +358,16 @@ class PoolManager:
         NOTE: a worker that dies soon after every start (a bad node, a driver fault, host memory) would
         otherwise be replaced in a loop as tight as a model load, each start loading the cluster and its
         logs. A single quick loss is not a loop (a chaos drill, a node lost under a fresh worker), so it
-        takes `crash_loop_after` in a row; one worker outliving the window ends it (`_watch`)."""
-        if self._young.pop(worker, None) is None or worker.draining or self._stopping:
+        takes `crash_loop_after` in a row; one worker outliving the window ends it (`_watch`). "In a row"
+        means one start after another: workers that were already up when the last quick loss happened
+        (a node lost under several of them) add nothing to it."""
+        ready = self._young.pop(worker, None)
+        kind, cfg, now = worker.kind, self.liveness, time.monotonic()
+        if ready is None or worker.draining or self._stopping or now - ready > cfg.crash_window_s:
             return
-        kind, cfg = worker.kind, self.liveness
+        if ready <= self._last_quick_loss[kind]:  # the same failure as the last quick loss
+            return
+        self._last_quick_loss[kind] = now
         n = self._quick_losses[kind] = self._quick_losses[kind] + 1
         if n >= cfg.crash_loop_after:
             b = self._back_off(kind)
@@ -402,6 +409,7 @@ class PoolManager:
             if self._young.get(worker, math.inf) <= time.monotonic() - cfg.crash_window_s:
                 del self._young[worker]  # it outlived the crash window: whatever failed before, the pool works
                 self._quick_losses[worker.kind], self._backoff[worker.kind] = 0, 0.0
+                self._retry_at[worker.kind] = 0.0
             try:
                 hb = await worker.client.ping(cfg.worker_timeout_s)
             except WorkerError as e:

@@ -187,6 +187,28 @@ def test_workers_that_die_soon_after_every_start_back_off_and_one_that_lives_end
     asyncio.run(go())
 
 
+def test_a_node_lost_under_several_fresh_workers_is_one_failure_not_a_crash_loop():
+    """Four workers started together and lost together (their node went) within the crash window: one quick
+    loss, so their replacements start at once."""
+
+    async def go():
+        fleet = Fleet()
+        pm, registry, _ = manager(fleet, 4)
+        pm.liveness = dataclasses.replace(FAST, crash_window_s=30.0, crash_loop_after=2)
+        await pm.start()
+        for w in registry.live(PoolKind.DECODE):
+            fleet.started[w.worker_id].die()
+            registry.lose(w, "its node left")
+        assert pm.backoff_left(PoolKind.DECODE) == 0 and pm._quick_losses[PoolKind.DECODE] == 1
+        maintain = asyncio.ensure_future(pm.maintain())
+        await until(lambda: len(registry.live(PoolKind.DECODE)) == 4, timeout=2)
+        assert fleet.attempts == 8
+        maintain.cancel()
+        await pm.close()
+
+    asyncio.run(go())
+
+
 def test_a_worker_running_other_code_is_refused_killed_and_its_replacement_backs_off():
     """The router and its workers exchange pickled `engine.messages` types: a worker from another build (a
     node with another image, a checkout edited under a running deployment) is refused at its start, before
