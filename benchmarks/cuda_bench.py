@@ -13,15 +13,20 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import LlamaForCausalLM, LogitsProcessorList
 
-from benchmarks.engine_bench import decode_bytes, engine_decode_step, random_prompt
+from benchmarks.engine_bench import (
+    StepClock,
+    copy_bandwidth,
+    decode_bytes,
+    engine_decode_step,
+    progress,
+    random_prompt,
+)
 from benchmarks.output import emit
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, cdiv
 from engine.hub import TINY_RANDOM_CONFIG, byte_tokenizer, random_state_dict, write_checkpoint
@@ -35,27 +40,6 @@ SHAPES = {"smollm2": SMOLLM2_SHAPE, "tiny": TINY_RANDOM_CONFIG}  # tiny: for the
 BLOCK = 16
 
 
-def progress(msg: str) -> None:
-    print(f"cuda_bench: {msg}", file=sys.stderr, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class StepClock(LogitsProcessor):
-    """A timestamp per `generate` step, taken once the step's work on the device is done."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.times = device, []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        sync(self.device)
-        self.times.append(time.perf_counter())
-        return scores
-
-
 def hf_decode_step(hf: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
     """Median seconds of one HF decode step, the prompts of equal length (no padding needed)."""
     clock = StepClock(device)
@@ -65,20 +49,6 @@ def hf_decode_step(hf: LlamaForCausalLM, prompts: list[list[int]], new_tokens: i
                           logits_processor=LogitsProcessorList([clock]), eos_token_id=None, pad_token_id=0)
     assert out.shape[1] == ids.shape[1] + new_tokens
     return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30) -> float:
-    """Bytes per second of a large copy on the device, counting the bytes read and the bytes written."""
-    src = torch.ones(num_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * num_bytes / best
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -105,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
         h = min(hf_decode_step(hf, prompts, args.tokens, device) for _ in range(args.reps))
         results["decode"][str(batch)] = {"engine_step_ms": e * 1e3, "hf_step_ms": h * 1e3, "engine_vs_hf": h / e}
         progress(f"decode batch {batch}: engine {e * 1e3:.2f} ms/step, transformers {h * 1e3:.2f} ms/step")
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(1 << 30, device=device)
     roofline = decode_bytes(engine.model) / bandwidth
     step = results["decode"].get("1", {}).get("engine_step_ms")
     results["roofline"] = {"copy_gb_s": bandwidth / 1e9, "step_ms": roofline * 1e3,

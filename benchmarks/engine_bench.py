@@ -255,13 +255,25 @@ def engine_prefill(engine: LLMEngine, prompt: Prompt) -> float:
 
 # -- transformers -----------------------------------------------------------------------------------------
 
-class StepClock(LogitsProcessor):
-    """Timestamps every generation step: `generate` calls it once per step, right after the forward."""
+CPU = torch.device("cpu")
 
-    def __init__(self) -> None:
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA timing is otherwise of the launch, not of the work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepClock(LogitsProcessor):
+    """Timestamps every generation step: `generate` calls it once per step, right after the forward (on
+    `device`, once the step's work there is done)."""
+
+    def __init__(self, device: torch.device = CPU) -> None:
+        self.device = device
         self.times: list[float] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(self.device)
         self.times.append(time.perf_counter())
         return scores
 
@@ -300,12 +312,19 @@ def hf_prefill(hf: transformers.PreTrainedModel, prompt: Prompt) -> float:
 
 # -- the roofline -----------------------------------------------------------------------------------------
 
-def copy_bandwidth(num_bytes: int = COPY_BYTES, reps: int = 5) -> float:
-    """Bytes per second of a large tensor copy, counting both the bytes read and the bytes written."""
-    src = torch.ones(num_bytes // 4)
+def copy_bandwidth(num_bytes: int = COPY_BYTES, reps: int = 5, device: torch.device = CPU) -> float:
+    """Bytes per second of a large tensor copy on `device`, counting both the bytes read and the bytes
+    written."""
+    src = torch.ones(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
-    return 2 * num_bytes / min(timed(lambda: dst.copy_(src)) for _ in range(reps))
+
+    def copy() -> None:
+        dst.copy_(src)
+        sync(device)
+
+    sync(device)
+    return 2 * num_bytes / min(timed(copy) for _ in range(reps))
 
 
 def decode_bytes(model: LlamaForCausalLM) -> int:

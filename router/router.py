@@ -793,7 +793,7 @@ class Router:
                 wid = choose_decode(prefill.info.node_id, need, [w.snapshot() for w in live])
             if wid is None:
                 tried.clear()
-                if not any(w.alive for w in self.registry.schedulable(PoolKind.DECODE)):
+                if not self.registry.schedulable(PoolKind.DECODE):
                     await self._wait_room(deadline, "UNAVAILABLE", "no live decode worker for a prompt nearing "
                                           "the end of its prefill: the decode pool is being replaced")
                     continue

@@ -173,8 +173,9 @@ def test_workers_that_die_soon_after_every_start_back_off_and_one_that_lives_end
         assert 4 <= fleet.attempts <= 12, fleet.attempts
         assert pm.backoff_left(PoolKind.DECODE) > 0  # what pdserve_pool_replacement_backoff_seconds shows
         await until(lambda: len(registry.live(PoolKind.DECODE)) == 1, timeout=5)
-        await asyncio.sleep(0.8)  # it outlives the window: the pool is healthy again
-        assert pm._quick_losses[PoolKind.DECODE] == 0 and pm._backoff[PoolKind.DECODE] == 0
+        # it outlives the window (0.6 s): the pool is healthy again
+        await until(lambda: pm._quick_losses[PoolKind.DECODE] == 0 and pm._backoff[PoolKind.DECODE] == 0
+                    and pm.backoff_left(PoolKind.DECODE) == 0, timeout=5)
         before = fleet.attempts
         w = registry.live(PoolKind.DECODE)[0]
         fleet.started[w.worker_id].die()
