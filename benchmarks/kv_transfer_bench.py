@@ -44,12 +44,12 @@ from kv_transfer import (  # noqa: E402
     KVReceiver,
     KVSender,
     KVTransferConfig,
-    PeerAddress,
     RendezvousServer,
     create_receiver,
     create_sender,
 )
 from kv_transfer.layout import as_bytes, pack_layers, scatter_layers  # noqa: E402
+from protocol.messages import PeerAddress  # noqa: E402
 
 HOST = "127.0.0.1"  # both processes on this node
 _PIPE_DEPTH = 4  # messages in flight in the copy-pipeline baseline (the transport's window and slots)

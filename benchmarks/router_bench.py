@@ -30,7 +30,8 @@ BLOCK = 16
 
 
 def _fake_worker_classes():
-    from engine.messages import (
+    from protocol import FinishReason, PoolKind
+    from protocol.messages import (
         EngineLoad,
         FirstToken,
         Heartbeat,
@@ -48,7 +49,7 @@ def _fake_worker_classes():
             self.worker_id = worker_id
 
         async def info(self):
-            return WorkerInfo(self.worker_id, "prefill", "node", "127.0.0.1", BLOCK, 1 << 20)
+            return WorkerInfo(self.worker_id, PoolKind.PREFILL, "node", "127.0.0.1", BLOCK, 1 << 20)
 
         async def ping(self, timeout):
             return Heartbeat(self.worker_id, 0.0, False, True)
@@ -122,7 +123,7 @@ def _fake_worker_classes():
             self.task: asyncio.Task | None = None
 
         async def info(self):
-            return WorkerInfo(self.worker_id, "decode", "node", "127.0.0.1", BLOCK, 1 << 20)
+            return WorkerInfo(self.worker_id, PoolKind.DECODE, "node", "127.0.0.1", BLOCK, 1 << 20)
 
         async def reserve(self, key, prompt, params, src, timeout):
             self.reserved[key] = params.max_tokens
@@ -152,7 +153,7 @@ def _fake_worker_classes():
                     st[0] = 1000 + (st[0] * 7 + 3) % 20000
                     st[1] -= 1
                     done = st[1] <= 0
-                    deltas.append(TokenDelta(key, [st[0]], "length" if done else None))
+                    deltas.append(TokenDelta(key, [st[0]], FinishReason.LENGTH if done else None))
                     if done:
                         del self.running[key]
                 self.outbox.put_nowait(StepOutput(1, time.time(), deltas, load))

@@ -39,7 +39,11 @@ import torch
 from engine.config import EngineConfig, cdiv
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.messages import (
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from kv_transfer import KVTransferConfig, TransferResult, create_receiver, create_sender
+from protocol.kinds import FinishReason, PoolKind
+from protocol.messages import (
     EngineLoad,
     Heartbeat,
     KVMoveResult,
@@ -48,12 +52,9 @@ from engine.messages import (
     StepOutput,
     TokenDelta,
     WorkerInfo,
-    node_identity,
     owner_of,
 )
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from kv_transfer import KVTransferConfig, TransferResult, create_receiver, create_sender
+from protocol.node import node_identity
 
 # a reservation lapses this long after it was made or last renewed (the router renews it every ~0.5 s)
 DEFAULT_LEASE_S = 30.0
@@ -88,7 +89,7 @@ class DecodeWorker:
     def __init__(self, worker_id: str, config: EngineConfig, kv_config: KVTransferConfig | None,
                  lease_s: float = DEFAULT_LEASE_S) -> None:
         self.worker_id = worker_id
-        self.kind = "decode" if kv_config is not None else "colocated"
+        self.kind = PoolKind.DECODE if kv_config is not None else PoolKind.COLOCATED
         self.lease_s = lease_s
         self.engine = LLMEngine(config)
         self.node_id, self.node_ip = node_identity()
@@ -358,7 +359,7 @@ class DecodeWorker:
         req = pending.request
         del self.pending[req.request_id]
         if self.engine.scheduler.kv_landed(req, pending.first_token):  # the first token already ends it
-            self._emit([TokenDelta(req.request_id, [], req.finish_reason.value, req.num_cached_tokens)])
+            self._emit([TokenDelta(req.request_id, [], req.finish_reason, req.num_cached_tokens)])
 
     def _fail_transfers(self, requests: list[Request]) -> None:
         """A failed step ends these requests: fail their transfers before their blocks are freed."""
@@ -379,7 +380,7 @@ class DecodeWorker:
             if pending.first_token is None and pending.lease_until < now and pending.landed:
                 del self.pending[rid]
                 self.engine.scheduler.finish(pending.request, RequestStatus.FINISHED_ERROR)
-                failed.append(TokenDelta(rid, [], "error", error="the reservation's lease lapsed"))
+                failed.append(TokenDelta(rid, [], FinishReason.ERROR, error="the reservation's lease lapsed"))
         for result in self.receiver.pop_finished():
             pending = self.pending.get(result.request_id)
             if pending is None:
@@ -390,7 +391,7 @@ class DecodeWorker:
             else:
                 del self.pending[result.request_id]
                 self.engine.scheduler.finish(pending.request, RequestStatus.FINISHED_ERROR)
-                failed.append(TokenDelta(result.request_id, [], "error", error=result.error))
+                failed.append(TokenDelta(result.request_id, [], FinishReason.ERROR, error=result.error))
         if failed:
             self._emit(failed)
         return bool(self.pending or self.moves)
@@ -428,6 +429,6 @@ class DecodeWorker:
                         early.append(part)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
-        self._on_step(StepOutput(0, time.time(), deltas, self.engine.load()))
+        self._on_step(StepOutput(None, time.time(), deltas, self.engine.load()))
 
 

@@ -1,6 +1,6 @@
 """pdserve's model runtime, shared by the prefill and decode workers (and the offline API).
 
-NOTE: the exports load lazily, so the router can import `engine.block_hash` or `engine.sampling_params`
+NOTE: the exports load lazily, so the router can import `engine.sampling_params` or `engine.tokenizer`
 without pulling in torch and the model.
 """
 

@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
 
-from engine.block_hash import BlockHash
+from protocol.block_hash import BlockHash
 
 # prefix-cache changes kept for readers that lag (a router replica between two reports): beyond this, a
 # reader gets the whole cache instead

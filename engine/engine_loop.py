@@ -25,10 +25,11 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.llm_engine import LayerHookFactory, LLMEngine
-from engine.messages import StepOutput, TokenDelta
 from engine.models.llama import LayerHook
 from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerOutput
+from protocol.kinds import FinishReason
+from protocol.messages import StepOutput, TokenDelta
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -136,7 +137,7 @@ class EngineLoop:
             self._steps += 1
             deltas = [self._delta(r) for r in advanced]
             # requests the scheduler ended without running them (grown past the whole cache)
-            deltas += [TokenDelta(r.request_id, [], r.finish_reason.value, r.num_cached_tokens,
+            deltas += [TokenDelta(r.request_id, [], r.finish_reason, r.num_cached_tokens,
                                   error="the sequence outgrew the whole KV cache")
                        for r in out.finished]
             if deltas:
@@ -158,7 +159,7 @@ class EngineLoop:
     def _delta(r: Request) -> TokenDelta:
         reason = r.finish_reason
         return TokenDelta(r.request_id, r.output_token_ids[-r.num_new_tokens:],
-                          None if reason is None else reason.value, r.num_cached_tokens)
+                          reason, r.num_cached_tokens)
 
     def _fail_all(self) -> StepOutput:
         sched = self.engine.scheduler
@@ -168,5 +169,5 @@ class EngineLoop:
         for r in failed:
             sched.finish(r, RequestStatus.FINISHED_ERROR)
         return StepOutput(self._steps, time.time(),
-                          [TokenDelta(r.request_id, [], "error", error="the engine step failed") for r in failed],
+                          [TokenDelta(r.request_id, [], FinishReason.ERROR, error="the engine step failed") for r in failed],
                           self.engine.load())

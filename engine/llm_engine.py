@@ -16,15 +16,16 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig, Speculativ
 from engine.hub import log, resolve_model
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
-from engine.messages import EngineLoad, LoadReport, StepStats
 from engine.model_runner import ModelRunner
 from engine.models.llama import LayerHook, LlamaForCausalLM
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec_decode import verify
 from engine.tokenizer import Tokenizer
+from protocol import FinishReason
+from protocol.messages import EngineLoad, LoadReport, StepStats
 
 # share of the device's free memory (after weights) given to the KV cache when the config does not say
 DEFAULT_MEMORY_FRACTION = {"cpu": 0.05, "cuda": 0.85}

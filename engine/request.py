@@ -6,8 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash, hash_blocks
 from engine.sampling_params import SamplingParams
+from protocol.block_hash import BlockHash, hash_blocks
+from protocol.kinds import FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -26,13 +27,6 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
 
 
 FINISH_REASONS = {

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from engine.block_allocator import BlockAllocator
 from engine.config import SchedulerConfig, SpeculativeConfig, cdiv
-from engine.messages import SpecCounts
 from engine.request import Request, RequestStatus
 from engine.spec_decode import NgramProposer
+from protocol.messages import SpecCounts
 
 
 @dataclass

@@ -20,7 +20,7 @@ object-store fallback), `factory` (choosing one from the config).
 
 from __future__ import annotations
 
-from kv_transfer.base import KVReceiver, KVSender, PeerAddress, TransferResult, TransferStatus
+from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.factory import create_receiver, create_sender
 from kv_transfer.layout import LayoutMismatch, TransferDescriptor
@@ -31,7 +31,6 @@ __all__ = [
     "KVSender",
     "KVTransferConfig",
     "LayoutMismatch",
-    "PeerAddress",
     "RendezvousServer",
     "TransferDescriptor",
     "TransferResult",

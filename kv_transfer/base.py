@@ -13,8 +13,9 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from protocol.messages import PeerAddress
 
 
 class TransferStatus(enum.IntEnum):
@@ -48,19 +49,6 @@ class TransferResult:
     @property
     def ok(self) -> bool:
         return self.status == TransferStatus.DONE
-
-
-@dataclass(frozen=True)
-class PeerAddress:
-    """Where senders find a receiver. The decode worker publishes `receiver.address`; the router hands it to
-    the prefill worker with the reserved block ids. Picklable."""
-
-    transport: str  # "torch" | "ray"
-    endpoint_id: str  # the receiving worker's stable name, e.g. "decode-3"
-    incarnation: str  # random per receiver object, so a restarted worker never takes a dead one's links
-    device: str  # "cpu" or "cuda:<gpu uuid>": NCCL only between two different GPUs
-    # ray only: the receiving process's KVInbox actor handle
-    inbox: Any = field(default=None, compare=False, repr=False)
 
 
 class KVSender(ABC):

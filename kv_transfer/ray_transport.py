@@ -22,13 +22,13 @@ import torch
 from ray.exceptions import GetTimeoutError, RayError
 
 from engine.kv_cache import KVCache
-from kv_transfer.base import PeerAddress
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.ray_inbox import process_inbox
 from kv_transfer.receiver import LayerwiseReceiver
 from kv_transfer.rendezvous import device_tag
 from kv_transfer.sender import LayerwiseSender
 from kv_transfer.wire import Header, LinkError, MsgKind, RecvLink, SendLink
+from protocol.messages import PeerAddress
 
 log = logging.getLogger(__name__)
 

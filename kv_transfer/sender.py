@@ -28,11 +28,12 @@ from typing import NamedTuple
 import torch
 
 from engine.kv_cache import KVCache
-from kv_transfer.base import KVSender, PeerAddress, TransferStatus
+from kv_transfer.base import KVSender, TransferStatus
 from kv_transfer.book import BookKeeper, TransferBook, TransferState
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.layout import TransferDescriptor, pack_layers
 from kv_transfer.wire import Header, LinkError, MsgKind, SendLink, bytes_tensor
+from protocol.messages import PeerAddress
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ import torch
 from torch.distributed import DistStoreError
 
 from engine.kv_cache import KVCache
-from kv_transfer.base import PeerAddress
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.pair_group import (
     RECEIVER_RANK,
@@ -55,6 +54,7 @@ from kv_transfer.rendezvous import (
 )
 from kv_transfer.sender import LayerwiseSender
 from kv_transfer.wire import HEADER_LEN, Header, LinkError, MsgKind, RecvLink, SendLink, bytes_tensor
+from protocol.messages import PeerAddress
 
 log = logging.getLogger(__name__)
 

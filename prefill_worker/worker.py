@@ -19,24 +19,26 @@ from dataclasses import dataclass
 from engine.config import EngineConfig, cdiv
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from engine.messages import (
+from engine.models.llama import LayerHook
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from kv_transfer import KVTransferConfig, TransferResult, create_sender
+from protocol.kinds import FinishReason, PoolKind
+from protocol.messages import (
     DestinationWanted,
     EngineLoad,
     FirstToken,
     Heartbeat,
     LoadReport,
+    PeerAddress,
     PrefillResult,
     Reservation,
     StepOutput,
     WorkerInfo,
-    node_identity,
     owner_of,
 )
-from engine.models.llama import LayerHook
-from engine.request import FINISH_REASONS, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from kv_transfer import KVTransferConfig, PeerAddress, TransferResult, create_sender
+from protocol.node import node_identity
 
 # a prompt's KV must have landed this long after its transfer opened, or the transfer fails
 # a prompt's KV transfer fails when this long passes without progress: from its opening to the first layer,
@@ -78,7 +80,7 @@ class PrefillWorker:
         self.loop.start()
 
     async def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, "prefill", self.node_id, self.node_ip,
+        return WorkerInfo(self.worker_id, PoolKind.PREFILL, self.node_id, self.node_ip,
                           self.engine.cache_spec.block_size, self.engine.allocator.num_blocks, pid=os.getpid(),
                           kv_bytes_per_token=self.engine.cache_spec.bytes_per_block // self.engine.cache_spec.block_size,
                           destination_horizon_tokens=self.destination_horizon)
@@ -229,13 +231,13 @@ class PrefillWorker:
             if job is None:
                 continue
             job.sampled_at = out.time
-            if delta.finish_reason == "error":
+            if delta.finish_reason is FinishReason.ERROR:
                 self._end(delta.request_id, "the prefill step failed")
                 continue
             req = job.request
             stop = req.check_stop()
             _put(job, FirstToken(req.request_id, req.output_token_ids[0],
-                                 None if stop is None else FINISH_REASONS[stop].value, req.num_cached_tokens,
+                                 None if stop is None else FINISH_REASONS[stop], req.num_cached_tokens,
                                  job.scheduled_at, job.sampled_at, req.prefill_compute_s))
             if not job.transfer_open:  # nothing to send: done as soon as sampled
                 self._finish(job, None)
@@ -275,7 +277,7 @@ class PrefillWorker:
         self.engine.scheduler.finish(req, RequestStatus.FINISHED_ERROR if error else
                                      (stop or RequestStatus.FINISHED_LENGTH))
         now = time.time()
-        result = PrefillResult(req.request_id, first, None if stop is None else FINISH_REASONS[stop].value,
+        result = PrefillResult(req.request_id, first, None if stop is None else FINISH_REASONS[stop],
                                req.num_cached_tokens, error, job.scheduled_at, job.sampled_at, now,
                                now - job.transfer_opened_at if job.transfer_open else 0.0,
                                job.transfer_bytes, transfer is not None and not transfer.ok,

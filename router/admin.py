@@ -22,8 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from router.lifecycle import Method
-from router.placement import PoolKind
+from protocol import Method, PoolKind
 from router.pool import PoolManager, Worker
 from router.router import Router
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import grpc
 
+from protocol import Method, PoolKind
 from protos.pdserve.v1 import admin_pb2 as pb
 from protos.pdserve.v1 import admin_pb2_grpc as pb_grpc
 from protos.pdserve.v1 import generation_pb2 as gen_pb
 from router.admin import DEFAULT_TIMEOUT_S, AdminError, DrainOutcome, PoolAdmin, PoolSize
-from router.lifecycle import Method
-from router.placement import PoolKind
 
 POOLS = {PoolKind.PREFILL: gen_pb.POOL_KIND_PREFILL, PoolKind.DECODE: gen_pb.POOL_KIND_DECODE,
          PoolKind.COLOCATED: gen_pb.POOL_KIND_COLOCATED}

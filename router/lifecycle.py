@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.messages import Reservation, TokenDelta
 from engine.sampling_params import SamplingParams
+from protocol.kinds import Cause, Method
+from protocol.messages import Reservation, TokenDelta
 from router.validation import ValidatedRequest
 
 if TYPE_CHECKING:
@@ -58,24 +59,6 @@ _MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.MIGRATING: frozenset({Phase.QUEUED, Phase.DECODING}),  # DECODING: its KV moved
 }
 _ENDS = frozenset({Phase.FAILED, Phase.CANCELLED})  # reachable from every phase that is not final
-
-
-class Cause(str, enum.Enum):
-    """Why an attempt failed (the `cause` label of the migration metric)."""
-
-    PREFILL_LOST = "prefill_lost"  # the prefill worker died or was declared dead mid-prefill
-    DECODE_LOST = "decode_lost"  # the decode (or colocated) worker died or was declared dead
-    KV_TRANSFER = "kv_transfer"  # the KV transfer failed or timed out
-    RESERVATION = "reservation"  # the decode reservation lapsed or failed before decoding began
-    WORKER_ERROR = "worker_error"  # the worker ended the sequence with an error (a failed engine step)
-    DRAIN = "drain"  # not a failure: its decode worker is being drained (scale down, rolling restart)
-
-
-class Method(str, enum.Enum):
-    """How a request migrates (the `method` label of the migration metric)."""
-
-    KV = "kv"  # the running sequence's KV moves to another decode worker; nothing is recomputed
-    RECOMPUTE = "recompute"  # placed again with prompt + tokens so far: prefilled anew
 
 
 class AttemptFailed(Exception):

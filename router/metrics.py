@@ -36,12 +36,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_wsgi_server
 
-from engine.messages import SpecCounts
+from protocol import PoolKind
+from protocol.messages import SpecCounts
 from router.observer import RequestObserver
-from router.placement import PoolKind
 
 if TYPE_CHECKING:
-    from engine.messages import KVMoveResult, LoadReport
+    from protocol.messages import KVMoveResult, LoadReport
     from router.cost_model import CostModel
     from router.pool import Worker
     from router.router import RequestState, RouterEvent

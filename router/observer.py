@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.messages import KVMoveResult, LoadReport
+    from protocol.messages import KVMoveResult, LoadReport
     from router.cost_model import CostModel
     from router.pool import Worker
     from router.router import RequestState, RouterEvent

@@ -17,28 +17,14 @@ the most free blocks wins. No room anywhere is a normal answer (None): the route
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.block_hash import BlockHash
+from protocol.block_hash import BlockHash
+from protocol.kinds import Path, PoolKind
 from router.cost_model import CostModel
 from router.prefix_index import PrefixIndex
-
-
-class PoolKind(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"  # prefills and decodes its own requests: no KV transfer
-
-    @property
-    def prefills(self) -> bool:
-        return self is not PoolKind.DECODE
-
-    @property
-    def decodes(self) -> bool:
-        return self is not PoolKind.PREFILL
 
 
 @dataclass(frozen=True)
@@ -80,7 +66,7 @@ def choose_prefill(hashes: Sequence[BlockHash], workers: Sequence[WorkerLoad], i
                    block_size: int, num_prompt_tokens: int) -> PrefillChoice | None:
     """The live prefill (or colocated) worker with the lowest cost (module docstring); None if none is alive.
 
-    `hashes` are the chained hashes of the prompt's full blocks (`engine.block_hash.hash_blocks`).
+    `hashes` are the chained hashes of the prompt's full blocks (`protocol.block_hash.hash_blocks`).
     """
     assert num_prompt_tokens >= 1, "empty prompt reached placement"
     assert len(hashes) <= num_prompt_tokens // block_size, "more block hashes than full prompt blocks"
@@ -137,13 +123,6 @@ def choose_decode(prefill_node: str, blocks_needed: int, workers: Sequence[Worke
     same_node = [w for w in roomy if w.node_id == prefill_node]
     best = min(same_node or roomy, key=lambda w: (-w.free_blocks, w.num_running, w.worker_id))
     return best.worker_id
-
-
-class Path(str, enum.Enum):
-    """How a request reaches its decode worker (the `path` label of the placement metric)."""
-
-    REMOTE = "remote"  # prefilled on a prefill worker, its KV shipped to the decode worker
-    LOCAL = "local"  # prefilled by the decode worker itself: no transfer, no prefill queue
 
 
 NEAR_TIE = 0.10  # estimates within this fraction of the best count as equal (see `choose_path`)

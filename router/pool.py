@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.messages import CONTRACT, LoadReport, WorkerInfo
+from protocol import PoolKind
+from protocol.messages import CONTRACT, LoadReport, WorkerInfo
 from router.background import Background
-from router.placement import PoolKind, WorkerLoad
+from router.placement import WorkerLoad
 from router.worker_client import Failure, RayWorkerClient, WorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -385,7 +386,7 @@ class PoolManager:
             info = await client.info()
             if info.contract != CONTRACT:
                 raise RuntimeError(
-                    f"worker {worker_id} runs other pdserve code than this router (engine.messages "
+                    f"worker {worker_id} runs other pdserve code than this router (protocol.messages "
                     f"{info.contract} against {CONTRACT}): a node with another image or version, or a checkout "
                     "changed under a running deployment. Run one build everywhere and restart the deployment")
         except BaseException:

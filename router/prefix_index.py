@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from engine.block_allocator import CacheEvents
-from engine.block_hash import BlockHash
-from engine.messages import LoadReport
+from protocol.block_hash import BlockHash
+from protocol.messages import LoadReport
 
 
 class PrefixIndex:

@@ -15,7 +15,7 @@ What they share, and how:
   longer reaches is resynced from a full snapshot. Placement is as good from any replica.
 - **KV room.** Decode blocks are reserved on the worker (`DecodeWorker.reserve` answers None when out of
   room), so replicas never double-book; a refused replica tries another worker or queues.
-- **Tokens.** Attempt keys carry their replica's id (`engine.messages.owner_of`); a decode worker sends each
+- **Tokens.** Attempt keys carry their replica's id (`protocol.messages.owner_of`); a decode worker sends each
   replica the tokens of its own attempts only.
 - **Pool changes.** Every replica serves the Admin API: the others forward each call to the lead through a
   mailbox actor (`AdminMailbox`); the lead's drains ask every replica to move its own requests off the
@@ -47,12 +47,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.messages import WorkerInfo, node_identity
+from protocol import Method, PoolKind
+from protocol.messages import WorkerInfo
+from protocol.node import node_identity
 from router.admin import PoolAdmin
 from router.admin_servicer import AdminServicer, Answer, ForwardingAdminServicer, run_forwarded
 from router.background import Background
-from router.lifecycle import Method
-from router.placement import PoolKind
 from router.pool import LivenessConfig, PoolManager, Worker, WorkerRegistry, ray_launcher
 from router.router import Router
 from router.server import ServeConfig, ServeError, Server, kv_transfer_config, log

@@ -42,9 +42,10 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.block_hash import hash_blocks
 from engine.config import cdiv
-from engine.messages import (
+from protocol import Cause, Method, Path, PoolKind
+from protocol.block_hash import hash_blocks
+from protocol.messages import (
     DestinationWanted,
     FirstToken,
     KVMoveResult,
@@ -58,8 +59,6 @@ from router.cost_model import CostModel, CostPriors
 from router.lifecycle import (
     Attempt,
     AttemptFailed,
-    Cause,
-    Method,
     MoveNotice,
     Notice,
     Phase,
@@ -68,15 +67,7 @@ from router.lifecycle import (
     WorkerLostNotice,
 )
 from router.observer import RequestObserver
-from router.placement import (
-    Path,
-    PoolKind,
-    PrefillChoice,
-    RoundRobinPrefill,
-    choose_decode,
-    choose_path,
-    choose_prefill,
-)
+from router.placement import PrefillChoice, RoundRobinPrefill, choose_decode, choose_path, choose_prefill
 from router.pool import Worker, WorkerRegistry
 from router.prefix_index import PrefixIndex
 from router.validation import ValidatedRequest
@@ -184,7 +175,7 @@ class Router:
         self._by_client_id: dict[str, RequestState] = {}
         self._attempts: dict[str, Attempt] = {}  # by attempt key: where worker messages are routed
         self._ids = itertools.count(1)
-        # NOTE: attempt keys carry their router replica (`engine.messages.owner_of`): workers send each
+        # NOTE: attempt keys carry their router replica (`protocol.messages.owner_of`): workers send each
         # replica only its own tokens, and free what a dead replica held
         self._id_prefix = f"{config.router_id}/" if config.router_id else ""
         self.num_queued = 0
@@ -754,7 +745,7 @@ class Router:
         find no room when due, and those wait for it (`_reserve_late`) with their KV held on the prefill
         worker."""
         horizon = prefill.info.destination_horizon_tokens
-        return (self.config.late_reservation and horizon > 0 and att.prefill_tokens > horizon
+        return (self.config.late_reservation and horizon is not None and att.prefill_tokens > horizon
                 and decode.promised_blocks + need <= self.config.promise_share * decode.load.total_blocks)
 
     def _promise(self, att: Attempt, decode: Worker, need: int) -> None:
@@ -853,11 +844,11 @@ class Router:
         last = None  # the previous step's output: back-to-back steps time the worker's decode step
         try:
             async for out in worker.client.steps():
-                if out.step and last is not None and out.step == last.step + 1 and out.stats is not None:
+                if out.step is not None and last is not None and last.step is not None and out.step == last.step + 1 and out.stats is not None:
                     st = out.stats
                     self.cost.observe_step(worker.worker_id, out.time - last.time, st.num_decode_seqs,
                                            st.num_prefill_tokens)
-                last = out if out.step else last
+                last = out if out.step is not None else last
                 if out.load is not None:
                     self.apply_report(worker, LoadReport(worker.worker_id, out.load))
                 for delta in out.deltas:
@@ -887,7 +878,7 @@ class Router:
             tokens = list(item.token_ids)
             while item.finish_reason is None and not att.queue.empty():
                 nxt = att.queue.get_nowait()
-                if isinstance(nxt, Notice) or nxt.finish_reason in ("error", "abort"):
+                if isinstance(nxt, Notice) or (nxt.finish_reason is not None and nxt.finish_reason.is_failure):
                     att.held = nxt  # handled on the next call, after these tokens
                     break
                 tokens += nxt.token_ids
@@ -909,9 +900,9 @@ class Router:
             elif item.worker_id == worker.worker_id:
                 raise AttemptFailed(Cause.DECODE_LOST, item.worker_id, item.reason)
             # NOTE: the prefill worker was lost after its answer: the decoding attempt does not need it
-        if item.finish_reason in ("error", "abort"):
+        if item.finish_reason is not None and item.finish_reason.is_failure:
             raise AttemptFailed(Cause.WORKER_ERROR, worker.worker_id,
-                                item.error or f"the worker ended the sequence ({item.finish_reason})")
+                                item.error or f"the worker ended the sequence ({item.finish_reason.value})")
         return item
 
     def _set_flow(self, worker: Worker, att: Attempt, paused: bool) -> None:

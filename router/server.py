@@ -19,8 +19,9 @@ from grpc_reflection.v1alpha import reflection
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.hub import resolve_model
 from engine.loader import load_config
-from engine.messages import node_identity
 from engine.tokenizer import Tokenizer
+from protocol import PoolKind
+from protocol.node import node_identity
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -30,7 +31,6 @@ from router.cost_model import CostPriors
 from router.http_api import HttpDoor, HttpServer
 from router.metrics import Metrics, MetricsEndpoint
 from router.observer import RequestObserver
-from router.placement import PoolKind
 from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry, ray_launcher
 from router.router import Router, RouterConfig
 from router.security import ApiKeyInterceptor, TLSConfig

@@ -7,10 +7,10 @@ import contextlib
 import grpc
 
 from engine.tokenizer import Tokenizer
+from protocol import PoolKind
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.observer import RequestObserver
-from router.placement import PoolKind
 from router.router import RequestState, Router, RouterError
 from router.streaming import stream_text
 from router.validation import InvalidArgument, Limits, ValidatedRequest, validate_request

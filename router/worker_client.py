@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.messages import (
+from engine.sampling_params import SamplingParams
+from protocol.messages import (
     DestinationWanted,
     EngineLoad,
     FirstToken,
@@ -25,7 +26,6 @@ from engine.messages import (
     StepOutput,
     WorkerInfo,
 )
-from engine.sampling_params import SamplingParams
 
 
 class Failure(enum.Enum):

@@ -10,8 +10,8 @@ import pytest
 import ray
 import yaml
 
+from protocol import PoolKind
 from router.cli import build_parser, serve_config
-from router.placement import PoolKind
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_MINOR = ".".join(ray.__version__.split(".")[:2])

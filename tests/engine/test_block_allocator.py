@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_allocator import BlockAllocator
-from engine.block_hash import hash_block, hash_blocks
+from protocol.block_hash import hash_block, hash_blocks
 
 
 def test_lru_eviction_takes_least_recently_freed_and_tail_blocks_first():

@@ -21,8 +21,9 @@ import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import KVReceiver, KVSender, KVTransferConfig, PeerAddress, create_receiver, create_sender
+from kv_transfer import KVReceiver, KVSender, KVTransferConfig, create_receiver, create_sender
 from kv_transfer.layout import DTYPES
+from protocol.messages import PeerAddress
 
 HOST = "127.0.0.1"  # tests only: workers pass their node IP
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from engine.messages import EngineLoad, KVMoveResult, LoadReport, SpecCounts, WorkerInfo
 from engine.sampling_params import SamplingParams
+from protocol import PoolKind
+from protocol.messages import EngineLoad, KVMoveResult, LoadReport, SpecCounts, WorkerInfo
 from router.cost_model import CostModel
 from router.metrics import Metrics
-from router.placement import PoolKind, WorkerLoad
+from router.placement import WorkerLoad
 from router.pool import Worker
 from router.router import RequestState, RouterEvent, Timing
 from router.validation import ValidatedRequest

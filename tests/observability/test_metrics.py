@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol import PoolKind
 from router.cli import _add_serve
 from router.cost_model import CostModel
 from router.metrics import ITL_BUCKETS, TTFT_BUCKETS, Metrics, MetricsEndpoint
-from router.placement import PoolKind
 from router.server import ServeConfig, Server
 from tests.observability.factories import (
     MODEL,
@@ -315,7 +315,7 @@ def test_migration_cause_labels_are_the_lifecycles_causes():
 
 
 def test_speculation_counters_follow_cumulative_reports_and_ignore_stale_ones():
-    from engine.messages import SpecCounts
+    from protocol.messages import SpecCounts
 
     m = Metrics(MODEL)
     d = worker("decode-0", PoolKind.DECODE)

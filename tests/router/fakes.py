@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator
 
 from engine.block_allocator import BlockAllocator
 from engine.config import cdiv
-from engine.messages import (
+from engine.sampling_params import SamplingParams
+from protocol import FinishReason, PoolKind
+from protocol.messages import (
     DestinationWanted,
     EngineLoad,
     FirstToken,
@@ -27,8 +29,6 @@ from engine.messages import (
     WorkerInfo,
     owner_of,
 )
-from engine.sampling_params import SamplingParams
-from router.placement import PoolKind
 from router.pool import WorkerRegistry, make_worker
 from router.router import Router, RouterConfig
 from router.validation import ValidatedRequest
@@ -87,7 +87,7 @@ class FakeWorker(WorkerClient):
         self.error_next_step = False
         self.reserve_full = False
         # set: a prompt longer than this may come with no reservation (`DestinationWanted`, `set_destination`)
-        self.destination_horizon_tokens = 0
+        self.destination_horizon_tokens: int | None = None
         self.destinations: dict[str, asyncio.Future] = {}  # key -> set by set_destination
         self.destinations_set: list[tuple[str, Reservation]] = []
         self.reserve_calls: list[str] = []  # keys whose reserve call got past the process's door
@@ -198,7 +198,7 @@ class FakeWorker(WorkerClient):
             yield PrefillResult(key, None, None, 0, "injected error failure")
             return
         token = next_token(prompt)
-        finish = "length" if params.max_tokens == 1 else None
+        finish = FinishReason.LENGTH if params.max_tokens == 1 else None
         yield FirstToken(key, token, finish, 0, scheduled_at=1.0, sampled_at=1.0)
         await self.kv_gate.wait()  # the KV is still on its way
         await self._enter()
@@ -330,7 +330,7 @@ class FakeWorker(WorkerClient):
                 if key in self.paused:
                     continue
                 if self.error_next_step:
-                    deltas.append(TokenDelta(key, [], "error", error="injected step failure"))
+                    deltas.append(TokenDelta(key, [], FinishReason.ERROR, error="injected step failure"))
                     self.running.pop(key)
                     self.held.pop(key, None)
                     continue
@@ -339,7 +339,7 @@ class FakeWorker(WorkerClient):
                 self.produced[key] += 1
                 left -= 1
                 done = left == 0
-                deltas.append(TokenDelta(key, [tok], "length" if done else None))
+                deltas.append(TokenDelta(key, [tok], FinishReason.LENGTH if done else None))
                 if done:
                     self.running.pop(key)
                     self.held.pop(key, None)
@@ -370,7 +370,7 @@ class FakeCluster:
             for i in range(n):
                 fake = FakeWorker(f"{kind.value}-{i}", kind)
                 if kind is PoolKind.PREFILL:
-                    fake.destination_horizon_tokens = horizon
+                    fake.destination_horizon_tokens = horizon or None
                 self.add(fake)
 
     def add(self, fake: FakeWorker) -> None:

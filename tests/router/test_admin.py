@@ -11,9 +11,8 @@ import time
 import pytest
 
 from engine.config import EngineConfig
+from protocol import Method, PoolKind
 from router.admin import AdminError, PoolAdmin
-from router.lifecycle import Method
-from router.placement import PoolKind
 from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry
 from router.router import Router, RouterConfig
 from tests.router.fakes import BLOCK, FakeCluster, FakeWorker, reference

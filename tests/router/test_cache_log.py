@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from engine.block_allocator import BlockAllocator, CacheEventLog
-from engine.messages import EngineLoad, LoadReport
+from protocol.messages import EngineLoad, LoadReport
 from router.observer import RequestObserver
 from tests.router.fakes import FakeCluster
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from router.lifecycle import Method, Phase
+from protocol import Method, PoolKind
+from router.lifecycle import Phase
 from router.observer import RequestObserver
-from router.placement import PoolKind
 from tests.router.fakes import FakeCluster, FakeWorker, reference
 
 PROMPT = list(range(1, 23))  # 22 tokens: 6 blocks of 4

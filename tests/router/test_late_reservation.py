@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from engine.messages import LoadReport
+from protocol.messages import LoadReport
 from router.lifecycle import Phase
 from router.router import RouterError
 from tests.router.fakes import FakeCluster, reference, until

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from engine.config import EngineConfig
-from engine.messages import Heartbeat
-from router.placement import PoolKind
+from protocol import PoolKind
+from protocol.messages import Heartbeat
 from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry
 from router.worker_client import Failure, WorkerError
 from tests.router.fakes import FakeWorker, until
@@ -25,7 +25,7 @@ class Fleet:
         self.started: dict[str, FakeWorker] = {}
         self.fail_starts = 0
         self.attempts = 0
-        self.contract: str | None = None  # set: the next workers run other code (their engine.messages)
+        self.contract: str | None = None  # set: the next workers run other code (their protocol.messages)
 
     async def launch(self, spec: PoolSpec, worker_id: str) -> FakeWorker:
         self.attempts += 1
@@ -211,7 +211,7 @@ def test_a_node_lost_under_several_fresh_workers_is_one_failure_not_a_crash_loop
 
 
 def test_a_worker_running_other_code_is_refused_killed_and_its_replacement_backs_off():
-    """The router and its workers exchange pickled `engine.messages` types: a worker from another build (a
+    """The router and its workers exchange pickled `protocol.messages` types: a worker from another build (a
     node with another image, a checkout edited under a running deployment) is refused at its start, before
     it takes traffic, instead of failing every stream it is given and being replaced in a tight loop."""
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from engine.config import EngineConfig
-from engine.messages import WorkerInfo
-from router.placement import PoolKind
+from protocol import PoolKind
+from protocol.messages import WorkerInfo
 from router.pool import PoolManager, PoolSpec, WorkerRegistry, make_worker
 from router.replicas import AdminMailbox
 

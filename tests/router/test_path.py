@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 
-from engine.block_hash import hash_blocks
+from protocol import Path
+from protocol.block_hash import hash_blocks
 from router.cost_model import CostModel, CostPriors
 from router.observer import RequestObserver
-from router.placement import Path, choose_path
+from router.placement import choose_path
 from router.prefix_index import PrefixIndex
 from tests.router.fakes import FakeCluster
 from tests.router.fakes import reference as fake_reference

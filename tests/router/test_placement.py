@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import hash_blocks
-from router.placement import (
-    PoolKind,
-    PrefillChoice,
-    RoundRobinPrefill,
-    WorkerLoad,
-    choose_decode,
-    choose_prefill,
-)
+from protocol import PoolKind
+from protocol.block_hash import hash_blocks
+from router.placement import PrefillChoice, RoundRobinPrefill, WorkerLoad, choose_decode, choose_prefill
 from router.prefix_index import PrefixIndex
 
 BS = 16

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from protocol import PoolKind
 from router.cli import build_parser, serve_config
-from router.placement import PoolKind
 
 
 def config(*argv: str):

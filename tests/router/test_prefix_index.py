@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_allocator import BlockAllocator, CacheEventLog
-from engine.block_hash import hash_blocks
+from protocol.block_hash import hash_blocks
 from router.prefix_index import PrefixIndex
 
 

@@ -2,7 +2,8 @@
 
 No torch and no behaviour here: the router imports this module and must never load the model. Every id a
 worker sees is the router's *attempt key* (see `router.lifecycle`), never the client's request id, so two
-requests (or two attempts of one request) never share state in any worker.
+requests (or two attempts of one request) never share state in any worker. `None` means "not set" (no
+finish yet, no horizon, no cursor); no field carries a meaning in a sign or a zero.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.block_hash import BlockHash
+from protocol.block_hash import BlockHash
+from protocol.kinds import FinishReason, PoolKind
 
 
 def _fingerprint() -> str:
     try:
-        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+        h = hashlib.sha256()
+        for f in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        return h.hexdigest()[:12]
     except OSError:  # no source beside the bytecode: the package's version has to do
         from importlib.metadata import PackageNotFoundError, version
 
@@ -27,11 +32,24 @@ def _fingerprint() -> str:
             return "unknown"
 
 
-# NOTE: the router and its workers exchange these types pickled, so both must run this very module: a
+# NOTE: the router and its workers exchange these types pickled, so both must run this very package: a
 # worker started from other code (a node with another image, a checkout edited under a running
 # deployment) fails to unpickle, or worse, unpickles into other meanings. Each worker says which it runs
 # (`WorkerInfo.contract`) and the router refuses a stranger before it takes any traffic.
 CONTRACT = _fingerprint()
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where senders find a KV receiver. The decode worker publishes its receiver's address; the router hands
+    it to the prefill worker with the reserved block ids."""
+
+    transport: str  # "torch" | "ray"
+    endpoint_id: str  # the receiving worker's stable name, e.g. "decode-3"
+    incarnation: str  # random per receiver object, so a restarted worker never takes a dead one's links
+    device: str  # "cpu" or "cuda:<gpu uuid>": NCCL only between two different GPUs
+    # ray only: the receiving process's KVInbox actor handle
+    inbox: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -65,9 +83,9 @@ class EngineLoad:
 class TokenDelta:
     request_id: str  # the router's attempt key
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" on the last delta of a request
+    finish_reason: FinishReason | None  # set on the last delta of a request
     num_cached_tokens: int = 0
-    error: str | None = None  # why, when finish_reason is "error"
+    error: str | None = None  # why, when finish_reason is ERROR
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,7 @@ class StepStats:
 
 @dataclass
 class StepOutput:
-    step: int  # the engine step that produced these deltas; 0 for deltas sent between steps
+    step: int | None  # the engine step that produced these deltas; None for deltas sent between steps
     time: float  # when the step's tokens were sampled (time.time(), comparable across processes)
     deltas: list[TokenDelta] = field(default_factory=list)
     load: EngineLoad | None = None
@@ -103,18 +121,18 @@ class Heartbeat:
 @dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str
-    kind: str  # "prefill" | "decode" | "colocated"
+    kind: PoolKind
     node_id: str
     node_ip: str
     block_size: int
     num_blocks: int
-    kv_address: Any = None  # a decode worker's KV receiver address (kv_transfer.PeerAddress)
+    kv_address: PeerAddress | None = None  # a decode worker's KV receiver address
     pid: int = 0  # the actor's process (operators and the chaos tests signal it)
     kv_bytes_per_token: int = 0  # KV a token takes on the wire, every layer (placement's transfer cost)
     contract: str = CONTRACT  # the worker's own build of this module (its default is read in the worker)
     # a prefill worker: a prompt may be sent to it with no decode reservation; it asks for one
-    # (`DestinationWanted`) once this many of its tokens are left to compute. 0: reserve before sending
-    destination_horizon_tokens: int = 0
+    # (`DestinationWanted`) once this many of its tokens are left to compute. None: reserve before sending
+    destination_horizon_tokens: int | None = None
 
 
 @dataclass
@@ -142,7 +160,7 @@ def owner_of(key: str) -> str:
 class Reservation:
     """Decode blocks held for one attempt's prompt, and where its KV goes."""
 
-    kv_address: Any  # kv_transfer.PeerAddress of the decode worker's receiver
+    kv_address: PeerAddress  # the decode worker's receiver
     block_ids: list[int]  # the decode worker's table for the whole prompt
     num_cached_blocks: int  # leading blocks already held by the decode worker's prefix cache: not sent
     lease_s: float  # the reservation lapses this long after its last renewal (see `DecodeWorker.renew`)
@@ -163,7 +181,7 @@ class FirstToken:
 
     request_id: str
     token: int
-    finish_reason: str | None  # set when the first token already ends the request ("stop" | "length")
+    finish_reason: FinishReason | None  # set when the first token already ends the request (STOP | LENGTH)
     num_cached_tokens: int  # prompt tokens the prefill worker's prefix cache served
     scheduled_at: float  # time.time() of the prompt's first chunk
     sampled_at: float
@@ -176,7 +194,7 @@ class FirstToken:
 class PrefillResult:
     request_id: str
     first_token: int | None  # None when it failed
-    finish_reason: str | None  # set when the first token already ends the request ("stop" | "length")
+    finish_reason: FinishReason | None  # set when the first token already ends the request (STOP | LENGTH)
     num_cached_tokens: int  # prompt tokens this worker's prefix cache served
     error: str | None = None
     # wall-clock instants (time.time()) for the router's TTFT breakdown
@@ -201,21 +219,3 @@ class KVMoveResult:
     num_bytes: int = 0  # what crossed the link (blocks the destination already cached are not sent)
     seconds: float = 0.0  # the transfer opened -> every layer acknowledged
     error: str | None = None
-
-
-def node_identity() -> tuple[str, str]:
-    """(node id, node IP) of the calling process as Ray knows them; ("local", "127.0.0.1") outside Ray.
-
-    NOTE: the IP is the one the Ray node was started with (127.0.0.1 on a pinned local cluster), looked up in
-    the cluster table; `ray.util.get_node_ip_address()` would guess from the routing table instead and
-    return the machine's network address.
-    """
-    try:
-        import ray
-    except ImportError:
-        return "local", "127.0.0.1"
-    if not ray.is_initialized():
-        return "local", "127.0.0.1"
-    node_id = ray.get_runtime_context().get_node_id()
-    ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
-    return node_id, ip
