@@ -28,8 +28,9 @@ from benchmarks.engine_bench import (
     random_prompt,
 )
 from benchmarks.output import emit
+from engine.checkpoint import byte_tokenizer, random_state_dict, write_checkpoint
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, cdiv
-from engine.hub import TINY_RANDOM_CONFIG, byte_tokenizer, random_state_dict, write_checkpoint
+from engine.hub import TINY_RANDOM_CONFIG
 from engine.llm_engine import LLMEngine
 
 # SmolLM2-135M's shape (its GGUF's metadata)

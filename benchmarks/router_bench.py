@@ -173,7 +173,7 @@ def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | Non
         import grpc
 
         from engine.hub import resolve_model
-        from engine.loader import load_config
+        from engine.model_files import load_config
         from engine.tokenizer import Tokenizer
         from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
         from router.metrics import Metrics
@@ -247,7 +247,7 @@ def _serve(repo: str, routers: int, port: int):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--model", "smollm2-135m", "--prefill-workers", "1",
+    cmd = [sys.executable, "-m", "control.cli", "serve", "--model", "smollm2-135m", "--prefill-workers", "1",
            "--decode-workers", "1", "--port", str(port), "--metrics-port", str(port + 1)]
     if routers > 1:
         cmd += ["--routers", str(routers)]

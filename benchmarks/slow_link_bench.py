@@ -55,9 +55,10 @@ def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed
     import grpc
 
     from benchmarks.serving.launch import LocalDeployment
+    from control.config import ServeConfig
+    from control.server import init_ray
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-    from router.server import ServeConfig, init_ray
 
     init_ray(address, 3)
     config = ServeConfig(model="smollm2-135m", ray_address=address, port=0, metrics_port=None, http_port=None,

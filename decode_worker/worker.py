@@ -28,38 +28,31 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from engine.backend import EngineBackend
 from engine.config import EngineConfig, cdiv
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from kv_transfer import KVTransferConfig, TransferResult, create_receiver, create_sender
+from engine.worker_base import Closable, WorkerBase
+from kv_transfer import KVReceiver, KVSender, KVTransferConfig, TransferResult, create_receiver, create_sender
 from protocol.kinds import FinishReason, PoolKind
 from protocol.messages import (
-    EngineLoad,
-    Heartbeat,
     KVMoveResult,
-    LoadReport,
     Reservation,
     StepOutput,
     TokenDelta,
-    WorkerInfo,
     owner_of,
 )
-from protocol.node import node_identity
 
 # a reservation lapses this long after it was made or last renewed (the router renews it every ~0.5 s)
 DEFAULT_LEASE_S = 30.0
-# a drained sequence's KV must have reached the other decode worker this long after the move began
-KV_MOVE_TIMEOUT_S = 30.0
 # steps kept for a router replica that has not subscribed yet (a fresh worker reached first): beyond this the
 # replica is not coming (it died before subscribing), and its sequences are freed by `release_router`
 MAX_EARLY_STEPS = 4096
@@ -67,12 +60,16 @@ MAX_EARLY_STEPS = 4096
 
 @dataclass
 class _Pending:
-    """A reserved request whose KV or first token has not arrived yet."""
+    """A reserved request not decoding yet: its KV is landing (WAITING_FOR_KV) or landed (KV_LANDED), and its
+    first token may not have come yet."""
 
     request: Request
     lease_until: float  # time.monotonic(); renewed by the router while the prefill makes progress
-    landed: bool = False
     first_token: int | None = None
+
+    @property
+    def landed(self) -> bool:
+        return self.request.status is RequestStatus.KV_LANDED
 
 
 @dataclass
@@ -85,19 +82,28 @@ class _Move:
     num_bytes: int
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     def __init__(self, worker_id: str, config: EngineConfig, kv_config: KVTransferConfig | None,
-                 lease_s: float = DEFAULT_LEASE_S) -> None:
-        self.worker_id = worker_id
+                 lease_s: float = DEFAULT_LEASE_S, *, engine: EngineBackend | None = None,
+                 receiver: KVReceiver | None = None, sender: KVSender | None = None) -> None:
+        """`kv_config` None: the colocated role (no KV transport). `engine`, `receiver` and `sender`: made from
+        `config` and `kv_config` unless passed in (tests pass their own)."""
+        if engine is None:
+            from engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(config)
+        super().__init__(worker_id, engine)
         self.kind = PoolKind.DECODE if kv_config is not None else PoolKind.COLOCATED
+        self.kv_config = kv_config
         self.lease_s = lease_s
-        self.engine = LLMEngine(config)
-        self.node_id, self.node_ip = node_identity()
-        self.receiver = (create_receiver(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
-                         if kv_config is not None else None)
-        # a decode worker sends too: a drained sequence's KV to another decode worker
-        self.sender = (create_sender(kv_config, worker_id, self.engine.kv_cache, self.node_ip)
-                       if kv_config is not None else None)
+        if kv_config is not None:
+            self.receiver = receiver if receiver is not None else create_receiver(
+                kv_config, worker_id, engine.kv_cache, self.node_ip)
+            # a decode worker sends too: a drained sequence's KV to another decode worker
+            self.sender = sender if sender is not None else create_sender(
+                kv_config, worker_id, engine.kv_cache, self.node_ip)
+        else:
+            self.receiver, self.sender = None, None
         self.pending: dict[str, _Pending] = {}
         self.held: set[str] = set()  # sequences held for a move: backpressure's resume leaves them paused
         self.moves: dict[str, _Move] = {}  # by the destination's attempt key
@@ -108,23 +114,7 @@ class DecodeWorker:
         self._outbox_lock = threading.Lock()
         self._early: dict[str, list[StepOutput]] = {}
         self._released: set[str] = set()  # router replicas gone: their late tokens go nowhere
-        self.loop = EngineLoop(self.engine, self._on_step, poll=self._poll, on_fail=self._fail_transfers,
-                               name=f"{worker_id}-loop")
-        self.loop.start()
-
-    async def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.kind, self.node_id, self.node_ip,
-                          self.engine.cache_spec.block_size, self.engine.allocator.num_blocks,
-                          self.receiver.address if self.receiver else None, os.getpid(),
-                          self.engine.cache_spec.bytes_per_block // self.engine.cache_spec.block_size)
-
-    async def ping(self) -> Heartbeat:
-        return Heartbeat(self.worker_id, time.monotonic() - self.loop.last_progress, self.loop.busy,
-                         self.loop.alive)
-
-    async def report(self, since: int = -1) -> LoadReport:
-        """Load, and the prefix-cache changes after change number `since` (see `CacheEventLog`)."""
-        return await asyncio.wrap_future(self.loop.call(lambda: self.engine.load_report(self.worker_id, since)))
+        self._start_loop()
 
     async def stream_steps(self, router_id: str = "") -> AsyncIterator[StepOutput]:
         """One message per engine step, forever, carrying the tokens of the attempts router replica
@@ -146,24 +136,6 @@ class DecodeWorker:
                 if self._outboxes.get(router_id, (None, None))[1] is queue:
                     del self._outboxes[router_id]
 
-    async def release_router(self, router_id: str, final: bool = True) -> int:
-        """Free everything router replica `router_id`'s attempts hold here. `final`: the replica is gone (its
-        clients' connections went with it): its steps go nowhere from now on; otherwise it lost its step
-        stream and subscribes again. Returns how many attempts were freed."""
-
-        def release() -> int:
-            with self._outbox_lock:
-                self._outboxes.pop(router_id, None)
-                self._early.pop(router_id, None)
-                if final:
-                    self._released.add(router_id)
-            keys = {k for k in (*self.pending, *self.engine.scheduler.requests) if owner_of(k) == router_id}
-            for key in keys:
-                self._abort(key)
-            return len(keys)
-
-        return await asyncio.wrap_future(self.loop.call(release))
-
     # -- disaggregated ----------------------------------------------------------------------------------
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -172,10 +144,10 @@ class DecodeWorker:
         assert self.receiver is not None, "reserve() on a colocated worker"
 
         def reserve() -> Reservation | None:
-            if request_id in self.engine.scheduler.requests:
+            if request_id in self.engine.requests:
                 raise ValueError(f"request {request_id!r} is already reserved on {self.worker_id}")
-            req = self._request(request_id, prompt_token_ids, params)
-            blocks = self.engine.scheduler.reserve_for_kv(req)
+            req = self.engine.make_request(request_id, prompt_token_ids, params)
+            blocks = self.engine.reserve_for_kv(req)
             if blocks is None:
                 return None
             skip = req.num_cached_tokens // self.engine.cache_spec.block_size
@@ -184,12 +156,14 @@ class DecodeWorker:
                 try:
                     self.receiver.expect(request_id, src, blocks[skip:], until)
                 except Exception:
-                    self.engine.scheduler.finish(req, RequestStatus.FINISHED_ERROR)  # give the blocks back
+                    self.engine.finish(req, RequestStatus.FINISHED_ERROR)  # give the blocks back
                     raise
-            self.pending[request_id] = _Pending(req, until, landed=skip >= len(blocks))
+            else:  # every block cached here already: nothing to land
+                self.engine.kv_received([request_id])
+            self.pending[request_id] = _Pending(req, until)
             return Reservation(self.receiver.address, list(blocks), skip, self.lease_s)
 
-        return await asyncio.wrap_future(self.loop.call(reserve))
+        return await self._on_loop(reserve)
 
     async def renew(self, request_ids: list[str]) -> list[str]:
         """Extend the leases of these reservations by `lease_s`; returns the ids no longer reserved here."""
@@ -201,7 +175,7 @@ class DecodeWorker:
             pending = self.pending.get(rid)
             if pending is None:
                 # NOTE: admitted already (its first token came before its KV finished landing): not lapsed
-                if rid not in self.engine.scheduler.requests:
+                if rid not in self.engine.requests:
                     gone.append(rid)
                 continue
             pending.lease_until = max(pending.lease_until, until)
@@ -220,15 +194,14 @@ class DecodeWorker:
             self._admit_if_ready(pending)
             return True
 
-        return await asyncio.wrap_future(self.loop.call(start))
+        return await self._on_loop(start)
 
     async def pause(self, request_ids: list[str]) -> None:
         """Backpressure: hold these sequences out of the batch (blocks kept) until `resume`."""
-        await asyncio.wrap_future(self.loop.call(lambda: [self.engine.scheduler.pause(r) for r in request_ids]))
+        await self._on_loop(lambda: [self.engine.pause(r) for r in request_ids])
 
     async def resume(self, request_ids: list[str]) -> None:
-        await asyncio.wrap_future(self.loop.call(
-            lambda: [self.engine.scheduler.resume(r) for r in request_ids if r not in self.held]))
+        await self._on_loop(lambda: [self.engine.resume(r) for r in request_ids if r not in self.held])
 
     # -- draining: a running sequence leaves with its KV --------------------------------------------------
 
@@ -238,17 +211,16 @@ class DecodeWorker:
         (finished, aborted, preempted for recompute, or still waiting for its KV)."""
 
         def hold() -> int | None:
-            sched = self.engine.scheduler
-            req = sched.requests.get(request_id)
+            req = self.engine.requests.get(request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 return None
-            if request_id not in sched.paused and not sched.pause(request_id):
+            if request_id not in self.engine.paused and not self.engine.pause(request_id):
                 return None  # preempted: its KV is gone, only recompute can move it
             self.held.add(request_id)
             assert req.num_computed_tokens == req.num_tokens - 1, "a held sequence's KV is one token behind"
             return len(req.output_token_ids)
 
-        return await asyncio.wrap_future(self.loop.call(hold))
+        return await self._on_loop(hold)
 
     async def connect(self, peers: list) -> None:
         """Open KV links to these decode workers' receivers (`kv_transfer.PeerAddress`) ahead of moves."""
@@ -264,7 +236,7 @@ class DecodeWorker:
         future = asyncio.get_running_loop().create_future()
 
         def begin() -> None:
-            req = self.engine.scheduler.requests.get(request_id)
+            req = self.engine.requests.get(request_id)
             if req is None or request_id not in self.held:
                 raise ValueError(f"request {request_id!r} is not held on {self.worker_id}; call hold() first")
             bs = self.engine.cache_spec.block_size
@@ -276,12 +248,12 @@ class DecodeWorker:
                 future.set_result(KVMoveResult(True))
                 return
             self.sender.begin(dst_key, reservation.kv_address, req.block_ids[skip:n], reservation.block_ids[skip:n],
-                              time.monotonic() + KV_MOVE_TIMEOUT_S)
+                              time.monotonic() + self.kv_config.move_timeout_s)
             for layer in range(self.engine.cache_spec.num_layers):  # all written long ago: ship them all
                 self.sender.send_layer(dst_key, layer)
             self.moves[dst_key] = _Move(request_id, future, time.time(), (n - skip) * self.engine.cache_spec.bytes_per_block)
 
-        await asyncio.wrap_future(self.loop.call(begin))
+        await self._on_loop(begin)
         return await future
 
     async def kv_digest(self, request_id: str, num_tokens: int) -> str:
@@ -289,57 +261,54 @@ class DecodeWorker:
         sequence's source and destination must agree on bit for bit (`--verify-kv-moves`)."""
 
         def digest() -> str:
-            sched = self.engine.scheduler
-            req = sched.requests.get(request_id) or sched.paused.get(request_id)
+            req = self.engine.requests.get(request_id) or self.engine.paused.get(request_id)
             if req is None or req.num_computed_tokens < num_tokens:
                 raise ValueError(f"request {request_id!r} holds no KV for {num_tokens} tokens on {self.worker_id}")
             bs = self.engine.cache_spec.block_size
             blocks = req.block_ids[:cdiv(num_tokens, bs)]
             # [num_layers, 2, n_blocks * block_size, kv_heads, head_dim], cut to the sequence's positions
-            kv = self.engine.kv_cache.tensor[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
+            kv = self.engine.kv_tensor()[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
             return hashlib.sha256(kv.contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
 
-        return await asyncio.wrap_future(self.loop.call(digest))
+        return await self._on_loop(digest)
 
     # -- colocated --------------------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        await asyncio.wrap_future(self.loop.call(
-            lambda: self.engine.scheduler.add(self._request(request_id, prompt_token_ids, params))))
+        await self._on_loop(lambda: self.engine.enqueue(self.engine.make_request(request_id, prompt_token_ids,
+                                                                                 params)))
 
-    # -- both -------------------------------------------------------------------------------------------
+    # -- the base's hooks -------------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> None:
-        """Free whatever the request holds here; a no-op for unknown or finished requests."""
+    def _info_fields(self) -> dict[str, Any]:
+        return {"kv_address": self.receiver.address if self.receiver else None}
 
-        await asyncio.wrap_future(self.loop.call(lambda: self._abort(request_id)))
+    def _transports(self) -> Iterable[Closable]:
+        return [t for t in (self.receiver, self.sender) if t is not None]
 
-    async def describe(self) -> dict:
-        """What this worker holds right now (for debugging and operators)."""
+    def _attempt_keys(self) -> Iterable[str]:
+        return {*self.pending, *self.engine.requests}
 
-        def describe() -> dict:
-            return {"pending": {rid: {"landed": p.landed, "first_token": p.first_token,
-                                      "transfer": self.receiver.poll(rid).name if not p.landed else None}
-                                for rid, p in self.pending.items()},
-                    "requests": {rid: r.status.name for rid, r in self.engine.scheduler.requests.items()},
-                    "paused": sorted(self.engine.scheduler.paused), "held": sorted(self.held),
-                    "moves": sorted(self.moves)}
+    def _forget_router(self, router_id: str, final: bool) -> None:
+        """`final`: the replica is gone (its clients' connections went with it): its steps go nowhere from now
+        on; otherwise it lost its step stream and subscribes again."""
+        with self._outbox_lock:
+            self._outboxes.pop(router_id, None)
+            self._early.pop(router_id, None)
+            if final:
+                self._released.add(router_id)
 
-        return await asyncio.wrap_future(self.loop.call(describe))
-
-    async def shutdown(self) -> EngineLoad:
-        """Stop; returns the load it stopped with (a drained worker's shows it held nothing)."""
-        load = await asyncio.wrap_future(self.loop.call(self.engine.load))
-        self.loop.shutdown()
-        if self.receiver is not None:
-            self.receiver.close()
-        if self.sender is not None:
-            self.sender.close()
-        return load
+    def _describe(self) -> dict:
+        return {"pending": {rid: {"landed": p.landed, "first_token": p.first_token,
+                                  "transfer": self.receiver.poll(rid).name if not p.landed else None}
+                            for rid, p in self.pending.items()},
+                "requests": {rid: r.status.name for rid, r in self.engine.requests.items()},
+                "paused": sorted(self.engine.paused), "held": sorted(self.held),
+                "moves": sorted(self.moves)}
 
     # -- on the loop thread -----------------------------------------------------------------------------
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "aborted by the router") -> None:
         # NOTE: the transfer is failed before the blocks are freed, so no late layer lands in them
         if self.pending.pop(request_id, None) is not None and self.receiver is not None:
             self.receiver.abort(request_id)
@@ -347,18 +316,14 @@ class DecodeWorker:
             self.held.discard(request_id)
             for dst_key in [k for k, m in self.moves.items() if m.src == request_id]:
                 self.sender.abort(dst_key, "the moved sequence was aborted at its source")
-        self.engine.scheduler.abort(request_id)
-
-    def _request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        return Request(request_id, prompt_token_ids, params, self.engine.cache_spec.block_size,
-                       self.engine.eos_token_ids, self.engine.max_model_len)
+        self.engine.abort_request(request_id)
 
     def _admit_if_ready(self, pending: _Pending) -> None:
         if not pending.landed or pending.first_token is None:
             return
         req = pending.request
         del self.pending[req.request_id]
-        if self.engine.scheduler.kv_landed(req, pending.first_token):  # the first token already ends it
+        if self.engine.kv_landed(req, pending.first_token):  # the first token already ends it
             self._emit([TokenDelta(req.request_id, [], req.finish_reason, req.num_cached_tokens)])
 
     def _fail_transfers(self, requests: list[Request]) -> None:
@@ -379,19 +344,24 @@ class DecodeWorker:
             # KV landed and `start` never came): nobody will claim these blocks
             if pending.first_token is None and pending.lease_until < now and pending.landed:
                 del self.pending[rid]
-                self.engine.scheduler.finish(pending.request, RequestStatus.FINISHED_ERROR)
+                self.engine.finish(pending.request, RequestStatus.FINISHED_ERROR)
                 failed.append(TokenDelta(rid, [], FinishReason.ERROR, error="the reservation's lease lapsed"))
+        landed = []
         for result in self.receiver.pop_finished():
             pending = self.pending.get(result.request_id)
             if pending is None:
                 continue
             if result.ok:
-                pending.landed = True
-                self._admit_if_ready(pending)
+                landed.append(pending)
             else:
                 del self.pending[result.request_id]
-                self.engine.scheduler.finish(pending.request, RequestStatus.FINISHED_ERROR)
+                self.engine.finish(pending.request, RequestStatus.FINISHED_ERROR)
                 failed.append(TokenDelta(result.request_id, [], FinishReason.ERROR, error=result.error))
+        # the receiver's finished ids move their requests on (WAITING_FOR_KV -> KV_LANDED), as vLLM's
+        # scheduler moves WAITING_FOR_REMOTE_KVS on its connector's finished_recving
+        self.engine.kv_received([p.request.request_id for p in landed])
+        for pending in landed:
+            self._admit_if_ready(pending)
         if failed:
             self._emit(failed)
         return bool(self.pending or self.moves)

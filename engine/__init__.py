@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "LLM": "engine.llm_engine",
     "LLMEngine": "engine.llm_engine",
+    "EngineBackend": "engine.backend",
     "RequestOutput": "engine.llm_engine",
     "SamplingParams": "engine.sampling_params",
     "EngineConfig": "engine.config",
@@ -19,10 +20,11 @@ _EXPORTS = {
     "CacheConfig": "engine.config",
     "SchedulerConfig": "engine.config",
 }
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "EngineConfig", "ModelConfig",
-           "CacheConfig", "SchedulerConfig"]
+__all__ = ["LLM", "LLMEngine", "EngineBackend", "RequestOutput", "SamplingParams", "EngineConfig",
+           "ModelConfig", "CacheConfig", "SchedulerConfig"]
 
 if TYPE_CHECKING:
+    from engine.backend import EngineBackend
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from engine.llm_engine import LLM, LLMEngine, RequestOutput
     from engine.sampling_params import SamplingParams

@@ -107,6 +107,7 @@ def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
         vs = v[s.q_start:end].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=s.q_len > 1, scale=scale, enable_gqa=True)
     else:
+        assert s.block_table is not None, "a sequence over cached context needs its block table"
         ks, vs = _gather_kv(k_cache, v_cache, s.block_table, workspace)
         ks = ks.flatten(0, 1)[:s.ctx_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx_len, d]
         vs = vs.flatten(0, 1)[:s.ctx_len].transpose(0, 1).unsqueeze(0)

@@ -24,8 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from engine.llm_engine import LayerHookFactory, LLMEngine
-from engine.models.llama import LayerHook
+from engine.backend import EngineBackend, LayerHook, LayerHookFactory
 from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerOutput
 from protocol.kinds import FinishReason
@@ -45,7 +44,7 @@ def _exit_process(error: BaseException) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepOutput], None],
+    def __init__(self, engine: EngineBackend, on_step: Callable[[StepOutput], None],
                  poll: Callable[[], bool] | None = None, layer_hook_for: LayerHookFactory | None = None,
                  on_fail: Callable[[list[Request]], None] | None = None,
                  on_fatal: Callable[[BaseException], None] = _exit_process,
@@ -162,12 +161,11 @@ class EngineLoop:
                           reason, r.num_cached_tokens)
 
     def _fail_all(self) -> StepOutput:
-        sched = self.engine.scheduler
-        failed = list(sched.requests.values())
+        failed = list(self.engine.requests.values())
         if self.on_fail is not None:
             self.on_fail(failed)
         for r in failed:
-            sched.finish(r, RequestStatus.FINISHED_ERROR)
+            self.engine.finish(r, RequestStatus.FINISHED_ERROR)
         return StepOutput(self._steps, time.time(),
                           [TokenDelta(r.request_id, [], FinishReason.ERROR, error="the engine step failed") for r in failed],
                           self.engine.load())

@@ -7,12 +7,11 @@ k_proj with their rows permuted for its interleaved RoPE; we undo that so the we
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.model_files import gguf_config
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -26,45 +25,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def gguf_config(reader: Any) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
-
-    def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"llama.{key}", default)
-
-    hidden = meta("embedding_length")
-    heads = meta("attention.head_count")
-    names = {t.name for t in reader.tensors}
-    vocab = meta("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    scaling = None
-    if meta("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=meta("feed_forward_length"),
-        num_layers=meta("block_count"),
-        num_heads=heads,
-        num_kv_heads=meta("attention.head_count_kv", heads),
-        head_dim=meta("rope.dimension_count", hidden // heads),
-        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=meta("rope.freq_base", 10000.0),
-        rope_scaling=scaling,
-        max_position_embeddings=meta("context_length", 2048),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (eos,),
-    )
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

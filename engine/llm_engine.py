@@ -6,18 +6,20 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
+from engine.backend import EngineBackend, LayerHook, LayerHookFactory
 from engine.block_allocator import BlockAllocator
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.hub import log, resolve_model
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
-from engine.models.llama import LayerHook, LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM
 from engine.request import Request, RequestStatus
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -31,7 +33,7 @@ from protocol.messages import EngineLoad, LoadReport, StepStats
 DEFAULT_MEMORY_FRACTION = {"cpu": 0.05, "cuda": 0.85}
 
 Prompt = str | Sequence[int]
-LayerHookFactory = Callable[[SchedulerOutput], LayerHook | None]
+__all__ = ["LLM", "LLMEngine", "LayerHook", "LayerHookFactory", "RequestOutput"]
 
 
 @dataclass
@@ -58,7 +60,9 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-class LLMEngine:
+class LLMEngine(EngineBackend):
+    """The built-in engine: pdserve's own Llama runner, paged KV cache and scheduler."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads is not None:
@@ -141,6 +145,44 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 
+    # -- the worker-facing interface (`EngineBackend`) ---------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def enqueue(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        return self.scheduler.requests
+
+    @property
+    def paused(self) -> Mapping[str, Request]:
+        return self.scheduler.paused
+
+    def pause(self, request_id: str) -> bool:
+        return self.scheduler.pause(request_id)
+
+    def resume(self, request_id: str) -> bool:
+        return self.scheduler.resume(request_id)
+
+    def reserve_for_kv(self, request: Request) -> list[int] | None:
+        return self.scheduler.reserve_for_kv(request)
+
+    def kv_received(self, request_ids: list[str]) -> None:
+        self.scheduler.kv_received(request_ids)
+
+    def kv_landed(self, request: Request, first_token: int) -> bool:
+        return self.scheduler.kv_landed(request, first_token)
+
+    def reset_prefix_cache(self) -> None:
+        self.allocator.reset_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -162,7 +204,7 @@ class LLMEngine:
             total_blocks=a.num_blocks,
             cached_blocks=a.num_cached_blocks,
             reserved_blocks=sum(len(r.block_ids) for r in s.requests.values()
-                                if r.status == RequestStatus.WAITING_FOR_KV),
+                                if r.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.KV_LANDED)),
             spec=s.spec_stats,
         )
 
@@ -242,10 +284,11 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt, text or token ids
+        # one prompt, text or token ids, or several
+        many = (cast("Sequence[Prompt]", [prompts])
+                if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts)
         # validate everything before queueing anything, so a bad prompt leaves no request behind
-        ids = [self.engine.tokenize(p) for p in prompts]
+        ids = [self.engine.tokenize(cast("str | Sequence[int]", p)) for p in many]
         for p in ids:
             self.engine.check_prompt_len(len(p))
         requests = [self.engine.add_request(p, params) for p in ids]

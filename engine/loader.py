@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from engine.config import ModelConfig
+from engine.model_files import load_config
+
+__all__ = ["load_checkpoint", "load_config"]
 
 
 def load_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -25,14 +27,3 @@ def load_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for f in files:
         state.update(load_file(str(f)))
     return config, state
-
-
-def load_config(path: Path) -> ModelConfig:
-    """The model's shape without its weights (what the router needs for limits)."""
-    if path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        from engine.gguf_loader import gguf_config
-
-        return gguf_config(GGUFReader(path))
-    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))

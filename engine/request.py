@@ -16,8 +16,13 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()  # queued for prefill (or re-queued after preemption)
     PREFILLING = enum.auto()  # prompt chunks being computed
-    SENDING_KV = enum.auto()  # prefill done on a prefill worker, KV on its way to a decode worker
-    WAITING_FOR_KV = enum.auto()  # decode worker: blocks reserved, KV not yet landed
+    # prefill worker: the prompt computed and its first token sampled; its blocks stay pinned until the worker
+    # collects its KV transfer's result (it reads this status, and finishes the request then)
+    SENDING_KV = enum.auto()
+    # decode worker: blocks reserved, KV not landed yet (vLLM's WAITING_FOR_REMOTE_KVS); the worker reports
+    # the ids its receiver finished (`Scheduler.kv_received`), which moves them on
+    WAITING_FOR_KV = enum.auto()
+    KV_LANDED = enum.auto()  # decode worker: the KV is in the reserved blocks; waiting for the first token
     RUNNING = enum.auto()  # decoding: one token per step (more when speculative drafts are accepted)
     FINISHED_STOPPED = enum.auto()  # EOS or a stop token
     FINISHED_LENGTH = enum.auto()  # max_tokens or the context length

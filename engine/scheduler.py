@@ -67,7 +67,7 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.speculative = speculative if speculative is not None else SpeculativeConfig()
-        self.proposer = NgramProposer(speculative) if self.speculative.enabled else None
+        self.proposer = NgramProposer(self.speculative) if self.speculative.enabled else None
         self.spec_stats = SpecCounts()
         self.allocator = allocator
         self.block_size = block_size
@@ -318,10 +318,19 @@ class Scheduler:
         self._num_committed[req.request_id] = len(cached)
         return req.block_ids
 
+    def kv_received(self, request_ids: list[str]) -> None:
+        """Decode worker: these reserved prompts' KV has landed in their blocks (WAITING_FOR_KV -> KV_LANDED);
+        unknown or finished ids are skipped."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.WAITING_FOR_KV:
+                req.status = RequestStatus.KV_LANDED
+
     def kv_landed(self, req: Request, first_token: int) -> bool:
-        """The prompt's KV is in the reserved blocks and its first token is known: start decoding.
-        Returns True when that first token already finishes the request."""
-        assert req.status == RequestStatus.WAITING_FOR_KV, f"{req.request_id} is {req.status.name}"
+        """The prompt's KV is in the reserved blocks (KV_LANDED; a WAITING_FOR_KV request is taken as landed)
+        and its first token is known: start decoding. Returns True when that first token already ends it."""
+        assert req.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.KV_LANDED), \
+            f"{req.request_id} is {req.status.name}"
         req.num_computed_tokens = req.num_prompt_tokens
         self._commit_full_blocks(req)
         req.append_token(first_token)

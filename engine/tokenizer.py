@@ -33,7 +33,9 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._fast is not None:
             return self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        text = self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str), "one sequence decodes to one string"
+        return text
 
     @functools.cached_property
     def _fast(self):
@@ -58,11 +60,11 @@ class Tokenizer:
             if "\ue000" in m["content"] or "\ue001" in m["content"]:
                 raise ValueError("messages: content must not contain the code points U+E000 or U+E001")
         if not any(marker in m["content"] for m in messages for marker in self._markers):
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
             return self.hf.encode(text, add_special_tokens=False)
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
-        text = self.hf.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                           tokenize=False, add_generation_prompt=True)
+        text = str(self.hf.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                               tokenize=False, add_generation_prompt=True))
         ids: list[int] = []
         for i, part in enumerate(_PLACEHOLDER.split(text)):
             if i % 2 == 0:  # the template's own text: its markers are special tokens

@@ -18,5 +18,6 @@ def node_identity() -> tuple[str, str]:
     if not ray.is_initialized():
         return "local", "127.0.0.1"
     node_id = ray.get_runtime_context().get_node_id()
-    ip: str = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]  # ray ships this one without annotations
+    ip: str = next(n["NodeManagerAddress"] for n in nodes if n["NodeID"] == node_id)
     return node_id, ip

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
-from protocol.kinds import Cause, Method
+from protocol.kinds import Cause, Method, Path, PoolKind
 from protocol.messages import Reservation, TokenDelta
 from router.validation import ValidatedRequest
 
@@ -100,12 +100,12 @@ class Attempt:
     reservation: Reservation | None = None
     promised: int = 0  # decode blocks counted on `decode` for a prompt whose reservation comes later
     prefill_tokens: int = 0  # uncached prompt tokens the prefill worker will compute (its queue, as counted)
-    phase: Phase = Phase.QUEUED
+    phase: Phase = Phase.QUEUED  # its request's phase while it is under way (`RequestState.phase`)
     # the decode worker's deltas for this attempt, or a notice
     queue: asyncio.Queue[TokenDelta | Notice] = field(default_factory=asyncio.Queue)
-    # set when a worker this attempt waits on is lost (wakes a pending prefill call)
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    lost_notice: WorkerLostNotice | None = None
+    # the first loss of a worker this attempt waits on, once known (wakes a pending prefill call); the same
+    # notice goes on `queue` for a reader of decode steps. Made in the event loop, as attempts are
+    lost: asyncio.Future[WorkerLostNotice] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     held: TokenDelta | Notice | None = None  # taken off `queue` while merging, handled next
     num_output: int = 0  # tokens of this attempt the client has (its decode worker counts the same ones)
     move: MoveNotice | None = None  # drained: end the attempt once num_output reaches move.num_tokens
@@ -121,8 +121,7 @@ class Attempt:
     def forget_placement(self) -> None:
         """The workers tried during placement hold nothing for this attempt (any more): start afresh."""
         self.prefill = self.decode = None
-        self.lost_notice = None
-        self.lost.clear()
+        self._forget_loss()
         self.queue = asyncio.Queue()
         self.held = None
 
@@ -130,15 +129,28 @@ class Attempt:
         """The decode worker tried during placement holds nothing for this attempt (any more)."""
         self.decode = None
         if self.lost_notice is not None and self.prefill is not None and self.prefill.alive:
-            self.lost_notice = None  # the loss was the forgotten decode worker's
-            self.lost.clear()
+            self._forget_loss()  # the loss was the forgotten decode worker's
             self.queue = asyncio.Queue()
             self.held = None
 
+    def check_move(self) -> None:
+        """A drained attempt ends once the client has every token its decode worker produced for it."""
+        if self.move is not None and self.num_output >= self.move.num_tokens:
+            raise AttemptFailed(Cause.DRAIN, self.move.worker_id, f"drained ({self.move.method.value} move)")
+
+    @property
+    def lost_notice(self) -> WorkerLostNotice | None:
+        """The first loss of a worker this attempt waits on, or None."""
+        return self.lost.result() if self.lost.done() else None
+
+    def _forget_loss(self) -> None:
+        if self.lost.done():  # (a pending one may have waiters: it stays)
+            self.lost = asyncio.get_running_loop().create_future()
+
     def worker_lost(self, notice: WorkerLostNotice) -> None:
-        if self.lost_notice is None:
-            self.lost_notice = notice
-        self.lost.set()
+        """A worker this attempt depends on is lost: the one place that tells it (`StepStreams.on_worker_lost`)."""
+        if not self.lost.done():
+            self.lost.set_result(notice)
         self.queue.put_nowait(notice)
 
 
@@ -159,14 +171,17 @@ class RequestState:
     id: str
     req: ValidatedRequest
     arrival: float = field(default_factory=time.time)
-    phase: Phase = Phase.QUEUED
+    # the phase while no attempt holds it (QUEUED before the first, MIGRATING between two, the final one);
+    # None while an attempt is under way: then its `Attempt.phase` is the request's, kept there alone
+    _phase: Phase | None = field(default=Phase.QUEUED, init=False, repr=False)
     generated: list[int] = field(default_factory=list)  # tokens already streamed to the client
     attempt: Attempt | None = None
     num_attempts: int = 0
     failures: list[AttemptFailed] = field(default_factory=list)
     # of the attempt that produced the first token (what metrics and the response report)
-    pool: str = ""  # the pool whose TTFT this is: "prefill", "decode" (prefilled locally) or "colocated"
-    placement: str = ""  # "remote" (prefill pool + KV transfer), "local" (its decode worker) or "colocated"
+    pool: PoolKind | None = None  # the pool whose TTFT this is: PREFILL, DECODE (prefilled locally) or COLOCATED
+    # REMOTE (prefill pool + KV transfer), LOCAL (its decode worker) or, on a colocated worker, COLOCATED
+    placement: Path | PoolKind | None = None
     prefill_worker: str = ""
     decode_worker: str = ""
     num_cached_tokens: int = 0
@@ -181,16 +196,23 @@ class RequestState:
         return self.req.request_id
 
     @property
+    def phase(self) -> Phase:
+        if self._phase is not None or self.attempt is None:
+            return self._phase or Phase.QUEUED
+        return self.attempt.phase
+
+    @property
     def finished(self) -> bool:
         return self.phase.is_finished
 
     def to(self, phase: Phase) -> None:
         assert phase in _MOVES.get(self.phase, frozenset()) or (phase in _ENDS and not self.phase.is_finished), \
             f"request {self.id}: illegal move {self.phase.name} -> {phase.name}"
-        self.phase = phase
         self.history.append(phase)
         if self.attempt is not None and not phase.is_finished and phase is not Phase.MIGRATING:
-            self.attempt.phase = phase
+            self.attempt.phase, self._phase = phase, None  # an attempt's phase: kept on the attempt
+        else:
+            self._phase = phase  # the request's own, between attempts or at its end
 
     def new_attempt(self, kv_move: bool = False) -> Attempt:
         """The next attempt: the prompt so far, and what is left of max_tokens. `kv_move`: the attempt

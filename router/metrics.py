@@ -202,7 +202,7 @@ class Metrics(RequestObserver):
             return
         stream = self._streams.get(state.id)
         if stream is None:  # the first event with tokens (`event.first` on every path the router has)
-            self.ttft.labels(self.model, state.pool, state.prefill_worker).observe(event.time - state.arrival)
+            self.ttft.labels(self.model, _pool_label(state.pool), state.prefill_worker).observe(event.time - state.arrival)
             self._streams[state.id] = _Stream(event.time, n)
             gaps = [0.0] * (n - 1)
         else:
@@ -225,7 +225,7 @@ class Metrics(RequestObserver):
         stream = self._streams.pop(state.id, None) if state is not None else None
         if stream is None or state is None:  # ended before its first token: nothing reached the client
             return
-        m, pool, prefill = self.model, state.pool, state.prefill_worker
+        m, pool, prefill = self.model, _pool_label(state.pool), state.prefill_worker
         self.generation_tokens.labels(m, _decode_pool(pool), state.decode_worker).inc(stream.num_tokens)
         if outcome in ("stop", "length"):
             self.e2e.labels(m).observe(stream.last_token_at - state.arrival)
@@ -330,9 +330,14 @@ class Metrics(RequestObserver):
         self.pool_backoff.labels(self.model, pool).set(backoff_s)
 
 
-def _decode_pool(ttft_pool: str) -> str:
+def _pool_label(pool: PoolKind | str) -> str:
+    """A pool as a label value (`RequestState.pool` holds the enum)."""
+    return PoolKind(pool).value
+
+
+def _decode_pool(ttft_pool: PoolKind | str) -> str:
     """The pool that decodes a request whose first token came from `ttft_pool`."""
-    return PoolKind.DECODE.value if ttft_pool == PoolKind.PREFILL.value else ttft_pool
+    return PoolKind.DECODE.value if ttft_pool == PoolKind.PREFILL else _pool_label(ttft_pool)
 
 
 class _CostGauges:

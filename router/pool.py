@@ -19,7 +19,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -32,7 +31,7 @@ from protocol import PoolKind
 from protocol.messages import CONTRACT, LoadReport, WorkerInfo
 from router.background import Background
 from router.placement import WorkerLoad
-from router.worker_client import Failure, RayWorkerClient, WorkerClient, WorkerError
+from router.worker_client import Failure, WorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -166,47 +165,6 @@ class WorkerRegistry:
 Launcher = Callable[[PoolSpec, str], Awaitable[WorkerClient]]
 
 
-def ray_launcher(kv_config: Any, lease_s: float, router_id: str = "",
-                 detached_name: Callable[[str], tuple[str, str]] | None = None,
-                 on_launch: Callable[[str, Any], None] = lambda worker_id, actor: None) -> Launcher:
-    """Start workers as Ray actors: `PrefillWorker` or `DecodeWorker` (colocated: no KV transport).
-    `lease_s`: how long a decode reservation outlives its last renewal. `router_id`: the starting router's,
-    whose step stream the returned clients read. `detached_name(worker_id)`: (name, namespace) of a detached
-    worker, which outlives the process that starts it (router replicas: another replica takes the pools
-    over when the lead dies, and finds the workers by name). `on_launch(worker_id, actor)`: told of each
-    actor as soon as it is created, before it is ready."""
-
-    async def launch(spec: PoolSpec, worker_id: str) -> WorkerClient:
-        from decode_worker import DecodeWorker
-        from prefill_worker import PrefillWorker
-
-        options = spec.actor_options()
-        if detached_name is not None:
-            name, namespace = detached_name(worker_id)
-            options.update(lifetime="detached", name=name, namespace=namespace)
-        if spec.kind is PoolKind.PREFILL:
-            actor = _actor_class(PrefillWorker).options(**options).remote(worker_id, spec.engine, kv_config)
-        else:
-            kv = None if spec.kind is PoolKind.COLOCATED else kv_config
-            actor = _actor_class(DecodeWorker).options(**options).remote(worker_id, spec.engine, kv, lease_s)
-        on_launch(worker_id, actor)
-        return RayWorkerClient(worker_id, actor, router_id)
-
-    return launch
-
-
-@functools.cache
-def _actor_class(cls: type) -> Any:
-    """`ray.remote(cls)`, made once per process.
-
-    NOTE: each `ray.remote(cls)` is a new actor class that Ray exports (pickles and disassembles) on its first
-    `.remote()`, about 70 ms on the event loop; made per start, `pdserve scale --prefill 40` froze every
-    stream for 3 s."""
-    import ray
-
-    return ray.remote(cls)
-
-
 class PoolManager:
     """Keeps each pool at its target size: starts the workers, watches them, replaces lost ones.
 
@@ -227,7 +185,7 @@ class PoolManager:
         """`on_report` gets each worker's periodic load report, read from `cache_cursor(worker)` (the last
         prefix-cache change the router's index holds, see `Router.apply_report`).
 
-        `follow`: the manager of a router replica that is not the lead (`router.replicas`). The lead starts,
+        `follow`: the manager of a router replica that is not the lead (`control.follower`). The lead starts,
         replaces and declares dead every worker and tells it which workers there are (`adopt`; `lose`);
         this one only pings them (for its own leases' renewals) and reads their load.
 

@@ -60,7 +60,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         res.decode_worker_id = state.decode_worker
         res.timing.CopyFrom(pb.Timing(queue_seconds=t.queue, prefill_seconds=t.prefill,
                                       kv_transfer_seconds=t.kv_transfer,
-                                      first_decode_step_seconds=t.decode_admit, placement=state.placement))
+                                      first_decode_step_seconds=t.decode_admit,
+                                      placement=state.placement.value if state.placement else ""))
         return res
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):

@@ -91,7 +91,7 @@ class Layout:
 
     def serve_config(self, **options: Any):
         """The `ServeConfig` of this layout; `options` are its other fields (model, worker_threads, ...)."""
-        from router.server import ServeConfig
+        from control.config import ServeConfig
 
         routing = "prefix" if self.routing in ("separate", "local") else self.routing
         for key in ("prefill_chunk_tokens", "decode_prefill_chunk_tokens"):
@@ -105,10 +105,10 @@ class Layout:
 
 
 class LocalDeployment:
-    """A `router.server.Server` on its own event-loop thread; a context manager that stops it on exit."""
+    """A `control.server.Server` on its own event-loop thread; a context manager that stops it on exit."""
 
     def __init__(self, config: Any) -> None:
-        from router.server import Server
+        from control.server import Server
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="bench-server", daemon=True)
@@ -146,7 +146,7 @@ def start_ray(layouts: list[Layout]) -> None:
     and the numbers measure the neighbours. `pin_ray_to_loopback` runs them at nice 0, like the router and
     the load generator. (A cluster already running in this process keeps its setting.)
     """
-    from router.server import init_ray, pin_ray_to_loopback
+    from control.server import init_ray, pin_ray_to_loopback
 
     pin_ray_to_loopback()  # before `import ray`
     import ray

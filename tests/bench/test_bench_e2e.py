@@ -12,8 +12,8 @@ from benchmarks.serving.cli import main as bench
 from benchmarks.serving.client import run_load
 from benchmarks.serving.load import Load
 from benchmarks.serving.workloads import Vocab, chat
+from control.cli import main as pdserve
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.cli import main as pdserve
 from tests.serving.conftest import running_server
 
 TINY_VOCAB = Vocab.for_model(320)

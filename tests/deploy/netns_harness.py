@@ -14,8 +14,9 @@ import time
 
 import grpc
 
+from control.config import ServeConfig
+from control.server import init_ray
 from engine import LLM, SamplingParams
-from router.server import ServeConfig, init_ray
 from tests.cluster import NetnsCluster, wait_for
 from tests.serving.conftest import RunningServer, greedy_request, token_ids
 
@@ -65,7 +66,7 @@ def main() -> None:
     try:
         workers = {w.worker_id: w.info.node_ip for w in server.server.registry.live()}
         out["worker_ips"] = workers
-        out["rendezvous_host"] = server.server.rendezvous.host if server.server.rendezvous else None
+        out["rendezvous_host"] = server.server.rendezvous_address[0] if server.server.rendezvous_address else None
         node_of = {ip: n.name for n in cluster.nodes for ip in [cluster.ip(n.name)]}
 
         # 1. greedy output through nodes in different namespaces; the KV crossed the decode node's link

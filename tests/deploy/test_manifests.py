@@ -10,8 +10,8 @@ import pytest
 import ray
 import yaml
 
+from control.cli import build_parser, serve_config
 from protocol import PoolKind
-from router.cli import build_parser, serve_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_MINOR = ".".join(ray.__version__.split(".")[:2])

@@ -21,9 +21,9 @@ import ray  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from control.config import ServeConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from protos.pdserve.v1 import generation_pb2 as pb  # noqa: E402
-from router.server import ServeConfig  # noqa: E402
 from tests.cluster import wait_for  # noqa: E402
 from tests.serving.conftest import RunningServer, greedy_request, token_ids  # noqa: E402
 

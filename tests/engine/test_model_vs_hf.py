@@ -9,13 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from engine import LLM
-from engine.hub import (
-    TINY_RANDOM_CONFIG,
-    byte_tokenizer,
-    random_state_dict,
-    smollm2_gguf_path,
-    write_checkpoint,
-)
+from engine.checkpoint import byte_tokenizer, random_state_dict, write_checkpoint
+from engine.hub import TINY_RANDOM_CONFIG, smollm2_gguf_path
 from tests.engine.helpers import greedy, make_engine, rel_err, run_capturing_logits
 
 PROMPTS = [

@@ -277,7 +277,7 @@ def test_closing_the_receiver_fails_what_is_in_flight(pair):
 
 
 def test_a_receiver_that_never_shows_up_fails_the_transfer_by_its_deadline(pair):
-    from kv_transfer import PeerAddress
+    from protocol.messages import PeerAddress
 
     ghost = PeerAddress(pair.receiver.address.transport, "ghost", "0", "cpu", inbox=pair.receiver.address.inbox)
     src = pair.tx.allocator.allocate(2)

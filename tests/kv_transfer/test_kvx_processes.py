@@ -22,6 +22,9 @@ from kvx_harness import SENTINEL, Job, ProcessPeer, RayPeer, Spec, make_config
 
 from kv_transfer import KVTransferConfig
 
+# a process per side (and a local Ray cluster for the ray cases): the default suite runs it, the fast lane (`-m "not slow"`) does not
+pytestmark = pytest.mark.slow
+
 HARNESSES = ["mp-torch", "ray-torch", "ray-ray"]
 SLACK_S = 0.75  # how late past its deadline a failure may be reported on a loaded 2-core box
 NUM_BLOCKS = 64

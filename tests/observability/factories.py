@@ -16,7 +16,7 @@ MODEL = "tiny"
 
 
 def worker(worker_id: str, kind: PoolKind, node: str = "node-a", total: int = 100) -> Worker:
-    info = WorkerInfo(worker_id, kind.value, node, "127.0.0.1", 16, total)
+    info = WorkerInfo(worker_id, kind, node, "127.0.0.1", 16, total)
     return Worker(info, None, WorkerLoad(worker_id, node, kind, free_blocks=total, total_blocks=total))
 
 

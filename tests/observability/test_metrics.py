@@ -10,11 +10,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from control.cli import _add_serve
+from control.config import ServeConfig
+from control.server import Server
 from protocol import PoolKind
-from router.cli import _add_serve
 from router.cost_model import CostModel
 from router.metrics import ITL_BUCKETS, TTFT_BUCKETS, Metrics, MetricsEndpoint
-from router.server import ServeConfig, Server
 from tests.observability.factories import (
     MODEL,
     drive_every_hook,

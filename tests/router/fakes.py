@@ -134,7 +134,7 @@ class FakeWorker(WorkerClient):
             raise WorkerError(self.worker_id, f"no answer within {timeout}s", Failure.TIMEOUT) from e
 
     def describe(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.kind.value, self.node, "127.0.0.1", BLOCK, self.num_blocks,
+        return WorkerInfo(self.worker_id, self.kind, self.node, "127.0.0.1", BLOCK, self.num_blocks,
                           kv_address=self.worker_id, destination_horizon_tokens=self.destination_horizon_tokens)
 
     async def info(self) -> WorkerInfo:

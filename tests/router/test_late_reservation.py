@@ -230,7 +230,7 @@ def test_draining_a_decode_worker_only_promised_a_prompt_does_not_wait_for_it():
 
 
 def test_router_replicas_split_the_promise_between_them():
-    from router.server import ServeConfig
+    from control.config import ServeConfig
 
     assert ServeConfig(model="tiny-random").router_config().promise_share == 1.0
     assert ServeConfig(model="tiny-random", routers=4).router_config().promise_share == 0.25

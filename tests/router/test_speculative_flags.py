@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from control.cli import build_parser, serve_config
 from protocol import PoolKind
-from router.cli import build_parser, serve_config
 
 
 def specs(*argv: str) -> dict[PoolKind, object]:

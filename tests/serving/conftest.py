@@ -11,9 +11,10 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
+from control.config import ServeConfig
+from control.server import Server
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.server import ServeConfig, Server
 
 
 class RunningServer:

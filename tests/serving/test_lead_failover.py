@@ -132,7 +132,7 @@ def deployment(ray):
     port, metrics = _free_ports(1), _free_ports(2)
     gcs = ray.get_runtime_context().gcs_address
     lead = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", "--model", MODEL, "--ray-address", gcs, "--port", str(port),
+        [sys.executable, "-m", "control.cli", "serve", "--model", MODEL, "--ray-address", gcs, "--port", str(port),
          "--metrics-port", str(metrics), "--routers", "2", "--http-port", "0", "--worker-threads", "1",
          "--num-blocks", "256", "--worker-timeout", "5"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
@@ -156,7 +156,7 @@ def deployment(ray):
 
 
 def stop(ray, port: int, grace: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "router.cli", "stop", "--port", str(port), "--ray-address",
+    return subprocess.run([sys.executable, "-m", "control.cli", "stop", "--port", str(port), "--ray-address",
                            ray.get_runtime_context().gcs_address, "--grace", str(grace)],
                           capture_output=True, text=True, env=ENV, timeout=180)
 
@@ -249,9 +249,9 @@ def test_a_stalled_lead_is_fenced_and_replaced_and_a_stop_outlives_the_next_lead
         port = int(address.rsplit(":", 1)[1])
         mailbox = ray.get_actor(f"routers-{port}", namespace="pdserve")
         now = ray.get(mailbox.describe.remote(), timeout=30)
-        assert now["lead"].startswith("1.") and now["process"]["title"] == b"ray::RouterReplica"
-        os.kill(now["process"]["pid"], signal.SIGKILL)
+        assert now.lead.startswith("1.") and now.process.title == b"ray::RouterReplica"
+        os.kill(now.process.pid, signal.SIGKILL)
         done = stop(ray, port, grace=0)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert f"its lead: router replica {now['lead']})" in done.stderr, done.stderr[-3000:]
+        assert f"its lead: router replica {now.lead})" in done.stderr, done.stderr[-3000:]
         _wait("no actor of the deployment left", lambda: not _deployment_processes(), timeout=60)

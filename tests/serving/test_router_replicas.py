@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from control.config import ServeConfig
+from control.server import ServeError, Server
 from engine import LLM, SamplingParams
 from protos.pdserve.v1 import admin_pb2 as admin
 from protos.pdserve.v1 import admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.server import ServeConfig, ServeError, Server
 from tests.serving.conftest import collect_stream, greedy_request, running_server, token_ids
 
 pytestmark = pytest.mark.slow
@@ -60,7 +61,7 @@ def _connect(server) -> grpc.Channel:
 
 def _metrics_pages(server) -> list[str]:
     """Every replica's /metrics page (each replica serves its own port)."""
-    ports = [server.server.metrics_port] + [r["metrics_port"] for r in server.server.replicas.describe()]
+    ports = [server.server.metrics_port] + [r.process.metrics_port for r in server.server.replicas.describe()]
     return [urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode() for port in ports]
 
 
@@ -117,7 +118,7 @@ def test_a_prefix_cached_through_one_replica_is_hit_through_the_other(server, ch
     replica = server.server.replicas.replicas[1].actor
     # the follower's prefix index reads every worker's cache changes each 0.5 s: wait until it has them
     deadline = time.monotonic() + 10
-    while max(w["cached_blocks"] for w in _ray_get(replica.describe.remote())["workers"].values()) < prefix_blocks:
+    while max(w.cached_blocks for w in _ray_get(replica.describe.remote()).workers.values()) < prefix_blocks:
         assert time.monotonic() < deadline, "the follower's prefix index never learned the cached prefix"
         time.sleep(0.1)
     for stub, suffix in zip([follower, channels["1"][1], lead], SUFFIXES[1:]):
@@ -175,7 +176,7 @@ def test_killing_a_replica_ends_only_its_streams_and_it_is_replaced(server, chan
     for t in threads:
         t.start()
     started.wait(120)
-    os.kill(old.info["pid"], signal.SIGKILL)
+    os.kill(old.info.pid, signal.SIGKILL)
     for t in threads:
         t.join(300)
     for n in (0, 1):
@@ -189,7 +190,7 @@ def test_killing_a_replica_ends_only_its_streams_and_it_is_replaced(server, chan
         assert time.monotonic() < deadline, "the killed replica was not replaced"
         time.sleep(0.2)
     new = replicas.replicas[1]
-    assert new.info["pid"] != old.info["pid"] and new.router_id != old.router_id
+    assert new.info.pid != old.info.pid and new.router_id != old.router_id
     # what the dead replica's streams held on the workers is freed
     reports = server.wait_idle()
     assert all(r.load.free_blocks == r.load.total_blocks and r.load.num_running == 0 for r in reports.values())
@@ -220,7 +221,7 @@ def test_a_stalled_replica_is_killed_and_replaced_and_the_lead_serves_on(server,
     for t in threads:
         t.start()
     started.wait(120)
-    os.kill(old.info["pid"], signal.SIGSTOP)
+    os.kill(old.info.pid, signal.SIGSTOP)
     try:
         for t in threads:
             t.join(300)
@@ -233,11 +234,11 @@ def test_a_stalled_replica_is_killed_and_replaced_and_the_lead_serves_on(server,
             time.sleep(0.2)
         with pytest.raises(ProcessLookupError):  # the stalled process is gone, and its socket with it
             for _ in range(100):
-                os.kill(old.info["pid"], 0)
+                os.kill(old.info.pid, 0)
                 time.sleep(0.1)
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(old.info["pid"], signal.SIGCONT)
+            os.kill(old.info.pid, signal.SIGCONT)
     reports = server.wait_idle()
     assert all(r.load.free_blocks == r.load.total_blocks and r.load.num_running == 0 for r in reports.values())
     for _ in range(4):  # no new connection lands on a dead socket
@@ -264,7 +265,7 @@ def test_a_dead_mailbox_is_recreated_and_admin_through_the_other_replica_works_a
     assert len(res.workers) == 3
     mailbox = ray.get_actor(f"routers-{port}", namespace="pdserve")
     described = _ray_get(mailbox.describe.remote())
-    assert described["lead"] == "" and set(described["replicas"]) == {1}
+    assert described.lead == "" and set(described.replicas) == {1}
     # the lead beats in the new one: at its next beat, which on a slow machine may come after the read above
     # (its confirmation of the lead lapsed while the mailbox was gone)
     deadline = time.monotonic() + 15

@@ -12,6 +12,9 @@ import pytest
 from protos.pdserve.v1 import generation_pb2 as pb
 from tests.serving.conftest import greedy_request, running_server, token_ids
 
+# real worker actors on a local Ray cluster: the default suite runs it, the fast lane (`-m "not slow"`) does not
+pytestmark = pytest.mark.slow
+
 LONG_PREFIX = [(13 * i + 7) % 250 for i in range(96)]  # 6 full blocks
 
 

@@ -136,7 +136,7 @@ def test_tls_with_an_api_key(ray_cluster, pki):
             openai.OpenAI(base_url=url, api_key=KEY, http_client=http, max_retries=0).models.list()
 
         # the CLI's client flags
-        from router.cli import main
+        from control.cli import main
 
         assert main(["generate", "hello", "--server", address, "--max-tokens", "3", "--tls-ca", str(pki["ca"]),
                      "--api-key", KEY]) == 0
@@ -190,7 +190,7 @@ def test_bench_takes_the_client_flags(pki):
 
 
 def test_serve_refuses_half_a_tls_configuration(pki):
-    from router.server import ServeConfig
+    from control.config import ServeConfig
 
     with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
         ServeConfig(tls_cert=str(pki["server_cert"]))

@@ -42,7 +42,7 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(ray_cluster):
     (tmp / "ray").mkdir()
     (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:6390")
     env = {**os.environ, "RAY_TMPDIR": str(tmp)}
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--model", "tiny-random", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "control.cli", "serve", "--model", "tiny-random", "--port",
                              str(port), "--metrics-port", "off", "--worker-threads", "1", "--num-blocks", "256",
                              "--shutdown-grace", "60"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)

@@ -1,4 +1,4 @@
-"""The router replicas' mailbox (`router.replicas.AdminMailbox`) as a plain object: who may take the lead
+"""The router replicas' mailbox (`control.mailbox.AdminMailbox`) as a plain object: who may take the lead
 and when, what a deposed lead is told, and what happens to Admin calls across a takeover."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import time
 
 import pytest
 
+from control.mailbox import AdminMailbox
+from control.messages import LeadClaim, LeadInfo, ProcessInfo
 from engine.config import EngineConfig
 from protocol import PoolKind
 from protocol.messages import WorkerInfo
 from router.pool import PoolManager, PoolSpec, WorkerRegistry, make_worker
-from router.replicas import AdminMailbox
 
 
 def run(coro):
@@ -22,13 +23,16 @@ def run(coro):
 def test_the_lead_is_claimed_only_after_its_silence_and_by_one_replica():
     async def scenario():
         box = AdminMailbox()
-        assert await box.beat("", {"prefill": 2}, {"pid": 1}) == ("lead", 0.0)
+        lead = ProcessInfo(1, "node-a", b"pdserve")
+        assert await box.beat("", {PoolKind.PREFILL: 2}, lead) == ("lead", 0.0)
         assert await box.claim_lead("1.1", 1, silent_s=5.0) is None  # it just beat
         box._beat = time.monotonic() - 6  # silent for longer than --worker-timeout
         await box.register(2, "2.2")
+        await box.register_worker("prefill-0")
         claim = await box.claim_lead("1.1", 1, silent_s=5.0)
-        assert claim["old_router_id"] == "" and claim["old_index"] == 0 and claim["targets"] == {"prefill": 2}
-        assert claim["old_process"] == {"pid": 1} and claim["replicas"] == {2: "2.2"}
+        assert claim == LeadClaim(old_router_id="", old_index=0, old_process=lead, targets={PoolKind.PREFILL: 2},
+                                  replicas={2: "2.2"}, workers=("prefill-0",))
+        assert await box.describe() == LeadInfo("1.1", 1, None, {2: "2.2"})  # the old lead's process is spent
         assert await box.claim_lead("2.2", 2, silent_s=5.0) is None  # the new lead's claim renewed the beat
         assert await box.beat("", {}) == ("deposed", 0.0)  # the old lead, if it wakes up
         assert await box.beat("1.1", {}) == ("lead", 0.0)
@@ -89,7 +93,7 @@ def test_a_promoted_manager_numbers_new_workers_after_every_id_it_has_seen(ids, 
     registry = WorkerRegistry(kill_on_loss=False)
     for worker_id in ids:
         kind = worker_id.split("-")[0]
-        registry.add(make_worker(WorkerInfo(worker_id, kind, "n", "127.0.0.1", 16, 8), None, PoolKind(kind)))
+        registry.add(make_worker(WorkerInfo(worker_id, PoolKind(kind), "n", "127.0.0.1", 16, 8), None, PoolKind(kind)))
     engine = EngineConfig(model="tiny-random")
     specs = [PoolSpec(PoolKind.PREFILL, 1, engine), PoolSpec(PoolKind.DECODE, 1, engine)]
     pools = PoolManager(specs, registry, launch=None, follow=True)

@@ -1,6 +1,6 @@
 """The `pdserve` command: `serve` starts a deployment, `generate` streams a completion from one, `bench`
 measures layouts side by side (`benchmarks.serving.cli`); `workers`, `scale`, `drain` and `restart-pool`
-operate a running one (`router.admin_cli`); `stop` stops one with router replicas, whichever replica leads
+operate a running one (`control.admin_cli`); `stop` stops one with router replicas, whichever replica leads
 it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 import logging
 import sys
 
-from router import admin_cli
-from router.admin_cli import DEFAULT_SERVER
+from control import admin_cli
+from control.admin_cli import DEFAULT_SERVER
 
 
 def _resources(text: str) -> dict[str, float]:
@@ -150,8 +150,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def serve_config(args: argparse.Namespace):
     """`pdserve serve`'s arguments as a ServeConfig (ValueError names a bad flag)."""
+    from control.config import ServeConfig
     from router.security import resolve_api_key
-    from router.server import ServeConfig
 
     return ServeConfig(
         model=args.model, host=args.host, port=args.port, prefill_workers=args.prefill_workers,
@@ -175,7 +175,7 @@ def serve_config(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from router.server import ServeError, serve_forever
+    from control.server import ServeError, serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -233,8 +233,8 @@ def _add_stop(sub: argparse._SubParsersAction) -> None:
 
 
 def stop(args: argparse.Namespace) -> int:
-    from router.replicas import stop_deployment
-    from router.server import ServeError, init_ray
+    from control.replica_set import stop_deployment
+    from control.server import ServeError, init_ray
 
     init_ray(args.ray_address, 0)
     try:

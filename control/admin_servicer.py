@@ -1,14 +1,14 @@
-"""The `pdserve.v1.Admin` gRPC service: `router.admin.PoolAdmin` on the wire."""
+"""The `pdserve.v1.Admin` gRPC service: `control.admin.PoolAdmin` on the wire."""
 
 from __future__ import annotations
 
 import grpc
 
+from control.admin import DEFAULT_TIMEOUT_S, AdminError, DrainOutcome, PoolAdmin, PoolSize
 from protocol import Method, PoolKind
 from protos.pdserve.v1 import admin_pb2 as pb
 from protos.pdserve.v1 import admin_pb2_grpc as pb_grpc
 from protos.pdserve.v1 import generation_pb2 as gen_pb
-from router.admin import DEFAULT_TIMEOUT_S, AdminError, DrainOutcome, PoolAdmin, PoolSize
 
 POOLS = {PoolKind.PREFILL: gen_pb.POOL_KIND_PREFILL, PoolKind.DECODE: gen_pb.POOL_KIND_DECODE,
          PoolKind.COLOCATED: gen_pb.POOL_KIND_COLOCATED}
@@ -141,7 +141,7 @@ async def run_forwarded(servicer: AdminServicer, method: str, request: bytes) ->
 
 class ForwardingAdminServicer(pb_grpc.AdminServicer):
     """`pdserve.v1.Admin` on a router replica that is not the lead: every call runs on the lead (which holds
-    the pools), through `mailbox` (a `router.replicas.AdminMailbox` actor); status and details come back as
+    the pools), through `mailbox` (a `control.mailbox.AdminMailbox` actor); status and details come back as
     the lead gave them."""
 
     def __init__(self, mailbox) -> None:

@@ -71,7 +71,7 @@ class PoolAdmin:
         self.pools = pools
         self.registry = pools.registry
         self._busy: set[PoolKind] = set()
-        # with router replicas (`router.replicas.ReplicaSet.drain_worker`): the other replicas drain their own
+        # with router replicas (`control.replica_set.ReplicaSet.drain_worker`): the other replicas drain their own
         # requests off a worker while this router drains its own; True when they all finished in time
         self.drain_elsewhere: Callable[[Worker, Method, float], Awaitable[bool]] | None = None
 

@@ -1,4 +1,4 @@
-"""Scale, drain and rolling restart (router.admin) over fake workers started by a real PoolManager: under
+"""Scale, drain and rolling restart (control.admin) over fake workers started by a real PoolManager: under
 load no request fails or changes a token, placement uses new workers at once, and retired workers leave
 nothing behind."""
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from control.admin import AdminError, PoolAdmin
 from engine.config import EngineConfig
 from protocol import Method, PoolKind
-from router.admin import AdminError, PoolAdmin
 from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry
 from router.router import Router, RouterConfig
 from tests.router.fakes import BLOCK, FakeCluster, FakeWorker, reference

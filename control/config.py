@@ -1,0 +1,194 @@
+"""`pdserve serve`'s configuration (`ServeConfig`, what its flags set) and what it derives: each pool's
+engine, the router's config, the workers' KV transfer."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from protocol import PoolKind
+from protocol.kv_config import KVTransferConfig
+from router.cost_model import CostPriors
+from router.pool import PoolSpec
+from router.router import RouterConfig
+from router.security import TLSConfig
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocated_workers: int = 0
+    ray_address: str | None = None  # None -> start a single-machine Ray cluster pinned to 127.0.0.1
+    prefill_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    decode_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    kv_transport: str = "torch"
+    routing: str = "prefix"
+    worker_threads: int | None = None  # torch threads per worker; None -> this machine's cores / workers
+    max_model_len: int | None = None
+    num_blocks: int | None = None  # KV blocks per worker; None -> a share of free memory
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # decode/colocated step budget
+    prefill_max_num_batched_tokens: int = 2048  # prefill pool step budget (fair order: the chunk cap below)
+    prefill_order: str = "fair"  # prompts by fewest uncomputed tokens, aged ("fifo": by arrival)
+    prefill_chunk_tokens: int = 256  # fair order: the most prompt tokens a step computes, all prompts (0: budget)
+    # the same on decode workers (local prefills): small, so a prompt computed there stalls its streams by
+    # about one decode step at a time, not by the whole prompt at once (Sarathi-Serve's stall-free batching)
+    decode_prefill_chunk_tokens: int = 64
+    # the router's cost model's stand-ins and measurement floor (no flag: the defaults learn from measurements)
+    cost_priors: CostPriors = field(default_factory=CostPriors)
+    max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
+    admission_timeout_s: float = 60.0  # a request waits this long for KV room or a live worker
+    max_queued_prefill_tokens: int = 65536  # per prefill worker, before RESOURCE_EXHAUSTED
+    migration_limit: int = 3  # re-placements per request after a worker loss or a failed transfer
+    worker_timeout: float = 10.0  # no heartbeat, or no engine progress with work to do, this long: dead
+    shutdown_grace: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    verify_kv_moves: bool = False  # check every drained sequence's moved KV against its source (SHA-256)
+    placement: str = "joint"  # "joint": the (prefill, decode) pair or the decode worker alone, by cost
+    local_prefill: bool = False  # joint placement may prefill a prompt on its decode worker when cheaper
+    # a long prompt's decode blocks are reserved as its prefill nears the end, not while it queues
+    late_reservation: bool = True
+    metrics_port: int | None = 9400  # Prometheus /metrics; None -> no metrics endpoint, 0 -> any free port
+    metrics_host: str | None = None  # where /metrics binds; None -> --host (scrape it from inside only)
+    http_port: int | None = None  # the OpenAI-compatible HTTP door; None -> off, 0 -> any free port
+    # (`pdserve serve` turns it on at 8000)
+    device: str | None = None
+    dtype: str | None = None
+    speculative: str | None = None  # decode and colocated workers: None (off) or "ngram"
+    num_speculative_tokens: int = 8  # the most drafts verified per sequence per step
+    max_draft_tokens_per_step: int = 32  # the most drafts one step verifies, shared by its sequences (0: no cap)
+    tls_cert: str | None = None  # PEM: serve gRPC over TLS with this certificate chain ...
+    tls_key: str | None = None  # ... and private key
+    tls_client_ca: str | None = None  # mutual TLS: clients must present a certificate this CA signed
+    api_key: str | None = field(default=None, repr=False)  # every call but health needs "Bearer <key>"
+    routers: int = 1  # router replicas sharing --port (and --http-port) over the same pools
+    routers_spread: bool = False  # place the other replicas over the nodes, not on this one
+    max_pool_size: int = 64  # the most workers `pdserve scale` may ask of one pool
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.colocated_workers and (self.prefill_workers or self.decode_workers):
+            raise ValueError("--colocated-workers cannot be mixed with --prefill-workers/--decode-workers; "
+                             "pass --prefill-workers 0 --decode-workers 0")
+        if not self.colocated_workers and not (self.prefill_workers and self.decode_workers):
+            raise ValueError("need at least one prefill and one decode worker (or --colocated-workers N)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: pass both, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty")
+        if self.worker_timeout <= 0.5:
+            raise ValueError(f"--worker-timeout must be > 0.5 seconds (the heartbeat interval), got "
+                             f"{self.worker_timeout}")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"--speculative must be ngram (or absent), got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.max_draft_tokens_per_step < 0:
+            raise ValueError(f"--max-draft-tokens-per-step must be >= 0 (0: no cap), got "
+                             f"{self.max_draft_tokens_per_step}")
+        if self.prefill_order not in ("fair", "fifo"):
+            raise ValueError(f"--prefill-order must be fair or fifo, got {self.prefill_order!r}")
+        if self.decode_prefill_chunk_tokens < 0:
+            raise ValueError("--decode-prefill-chunk-tokens must be >= 0 (0: the whole step budget), got "
+                             f"{self.decode_prefill_chunk_tokens}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"--prefill-chunk-tokens must be >= 0 (0: the whole step budget), got "
+                             f"{self.prefill_chunk_tokens}")
+        if self.routers < 1:
+            raise ValueError(f"--routers must be >= 1, got {self.routers}")
+        if self.max_pool_size < max(1, self.prefill_workers, self.decode_workers, self.colocated_workers):
+            raise ValueError(f"--max-pool-size must be >= 1 and hold every pool's starting size, got "
+                             f"{self.max_pool_size}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
+        if self.metrics_port is not None:
+            if not 0 <= self.metrics_port < 65536:
+                raise ValueError(f"--metrics-port must be in 0..65535 (0: any free port), got {self.metrics_port}")
+            if self.metrics_port == self.port != 0:
+                raise ValueError(f"--metrics-port and --port are both {self.port}; give them different ports")
+        if self.http_port is not None:
+            if not 0 <= self.http_port < 65536:
+                raise ValueError(f"--http-port must be in 1..65535 (0: off), got {self.http_port}")
+            if self.http_port != 0 and self.http_port in (self.port, self.metrics_port):
+                raise ValueError(f"--http-port {self.http_port} is also --port or --metrics-port; give it its own")
+
+    @property
+    def needs_rendezvous(self) -> bool:
+        """Whether the workers' KV links meet at a rendezvous store (torch.distributed between pools)."""
+        return not self.colocated_workers and self.kv_transport == "torch"
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill_workers + self.decode_workers + self.colocated_workers
+
+    def engine_config(self, budget: int, decodes: bool = True, chunk: int | None = None) -> EngineConfig:
+        """A worker's engine; `decodes`: it runs decode steps (so speculation applies to it); `chunk`: its
+        prompt tokens per step (default --prefill-chunk-tokens)."""
+        threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        spec = (SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.max_draft_tokens_per_step)
+                if decodes else SpeculativeConfig())
+        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
+                            max_model_len=self.max_model_len, num_threads=threads,
+                            cache=CacheConfig(self.block_size, self.num_blocks),
+                            scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order,
+                                                      prefill_chunk_tokens=self.prefill_chunk_tokens
+                                                      if chunk is None else chunk),
+                            speculative=spec)
+
+    def tls(self) -> TLSConfig | None:
+        """The TLS files, checked to exist (ValueError naming the flag): at start, not at parse time, so a
+        deploy file's command parses anywhere."""
+        if self.tls_cert is None:
+            return None
+        return TLSConfig(Path(self.tls_cert), Path(self.tls_key),
+                         Path(self.tls_client_ca) if self.tls_client_ca else None)
+
+    def router_config(self, router_id: str = "") -> RouterConfig:
+        return RouterConfig(self.block_size, self.routing, self.max_queue, self.admission_timeout_s,
+                            self.max_queued_prefill_tokens, self.migration_limit,
+                            call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves,
+                            placement=self.placement, local_prefill=self.local_prefill, router_id=router_id,
+                            # (the engine caps prompt tokens per step in fair order only)
+                            local_chunk_tokens=self.decode_prefill_chunk_tokens if self.prefill_order == "fair"
+                            else 0, cost_priors=self.cost_priors, late_reservation=self.late_reservation,
+                            promise_share=1 / self.routers)
+
+    def pool_specs(self) -> list[PoolSpec]:
+        if self.colocated_workers:
+            return [PoolSpec(PoolKind.COLOCATED, self.colocated_workers,
+                             self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
+        return [PoolSpec(PoolKind.PREFILL, self.prefill_workers,
+                         self.engine_config(self.prefill_max_num_batched_tokens, decodes=False),
+                         self.prefill_resources),
+                PoolSpec(PoolKind.DECODE, self.decode_workers,
+                         self.engine_config(self.max_num_batched_tokens, chunk=self.decode_prefill_chunk_tokens),
+                         self.decode_resources)]
+
+
+def kv_transfer_config(config: ServeConfig, store: tuple[str, int] | None) -> KVTransferConfig | None:
+    """The workers' KV transfer: None for colocated pools, the Ray object store, or torch.distributed links
+    meeting at the rendezvous `store` (host, port; needed when `config.needs_rendezvous`)."""
+    if config.colocated_workers:
+        return None
+    if not config.needs_rendezvous:
+        return KVTransferConfig(kv_transport=config.kv_transport)
+    host, port = store
+    # NOTE: a fresh secret per deployment, handed to the workers inside this config (through Ray, over the
+    # cluster network the threat model trusts): every link request in the store must carry its MAC
+    return KVTransferConfig(kv_transport="torch", rendezvous_host=host, rendezvous_port=port,
+                            secret=secrets.token_hex(32))

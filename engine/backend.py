@@ -1,0 +1,120 @@
+"""The engine a worker drives: the interface both worker roles call, whatever runs the model behind it.
+
+The built-in `LLMEngine` is one implementation; a vLLM engine is meant to be a second. A worker touches its
+engine only through these methods (on its `EngineLoop`'s thread: an engine is not thread-safe), and the
+engine's requests are `engine.request.Request`s whose `status` is the one state of a request on its worker,
+its KV transfer included (`RequestStatus.SENDING_KV`, `WAITING_FOR_KV`, `KV_LANDED`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from protocol.messages import EngineLoad, LoadReport, StepStats
+
+if TYPE_CHECKING:
+    from engine.scheduler import SchedulerOutput
+
+LayerHook = Callable[[int], None]  # called after each layer's KV is written, with the layer's index
+LayerHookFactory = Callable[["SchedulerOutput"], LayerHook | None]
+
+
+class EngineBackend(ABC):
+    """One model replica with its paged KV cache and its scheduler, as a worker sees it."""
+
+    # the KV cache's layout (`engine.kv_cache.KVCacheSpec`: layers, block size, bytes per block) and the
+    # cache itself (what a KV transport reads and writes: `engine.kv_cache.KVCache`)
+    cache_spec: Any
+    kv_cache: Any
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    last_step: StepStats | None  # what the latest step that ran anything computed
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """The KV cache's size in blocks."""
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     prefill_only: bool = False, awaiting_destination: bool = False) -> Request:
+        """A request for this engine's cache and model (not queued yet)."""
+        return Request(request_id, prompt_token_ids, params, self.cache_spec.block_size, self.eos_token_ids,
+                       self.max_model_len, prefill_only=prefill_only, awaiting_destination=awaiting_destination)
+
+    @abstractmethod
+    def enqueue(self, request: Request) -> None:
+        """Queue a request for prefill."""
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> None:
+        """End a request and free its blocks; a no-op for an unknown one."""
+
+    @abstractmethod
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request in final state `status` and free its blocks (full ones stay in the prefix cache)."""
+
+    @property
+    @abstractmethod
+    def requests(self) -> Mapping[str, Request]:
+        """Every unfinished request here, by id (queued, running, paused or waiting for its KV)."""
+
+    @property
+    @abstractmethod
+    def paused(self) -> Mapping[str, Request]:
+        """Running sequences held out of the batch (`pause`), by id."""
+
+    @abstractmethod
+    def pause(self, request_id: str) -> bool:
+        """Hold a running sequence out of the batch, keeping its blocks. False when it is not running."""
+
+    @abstractmethod
+    def resume(self, request_id: str) -> bool:
+        """Put a paused sequence back into the batch."""
+
+    # -- KV from another engine (decode side) -----------------------------------------------------------
+
+    @abstractmethod
+    def reserve_for_kv(self, request: Request) -> list[int] | None:
+        """Blocks for a prompt whose KV another engine computes (the request goes to WAITING_FOR_KV): its
+        whole table, the cached prefix first (`request.num_cached_tokens`). None when out of room."""
+
+    @abstractmethod
+    def kv_received(self, request_ids: list[str]) -> None:
+        """These requests' KV has landed in their reserved blocks: WAITING_FOR_KV -> KV_LANDED."""
+
+    @abstractmethod
+    def kv_landed(self, request: Request, first_token: int) -> bool:
+        """A KV_LANDED request's first token is known: it decodes on. True when that token ends it."""
+
+    # -- the step loop ----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def has_scheduled_work(self) -> bool:
+        """Whether `step` may compute anything."""
+
+    @abstractmethod
+    def step(self, layer_hook_for: LayerHookFactory | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        """One step: what was scheduled, and the requests that got tokens (`num_new_tokens` set).
+        `layer_hook_for` sees the schedule before the model runs and may return a per-layer hook."""
+
+    @abstractmethod
+    def load(self) -> EngineLoad:
+        ...
+
+    @abstractmethod
+    def load_report(self, worker_id: str, since: int | None) -> LoadReport:
+        """The load and the prefix-cache changes after change number `since` (None: the newest's number)."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix no request holds."""
+
+    def kv_tensor(self) -> Any:
+        """The cache as one tensor, [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+        return self.kv_cache.tensor

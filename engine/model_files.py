@@ -1,0 +1,58 @@
+"""A checkpoint's shape without its weights: torch-free, so the serve process can read the limits it needs
+(context length, vocabulary) from the model the workers will load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig
+
+
+def load_config(path: Path) -> ModelConfig:
+    """The model's shape, from an HF directory's config.json or a .gguf file's metadata."""
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        return gguf_config(GGUFReader(path))
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader: Any) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"llama.{key}", default)
+
+    hidden = meta("embedding_length")
+    heads = meta("attention.head_count")
+    names = {t.name for t in reader.tensors}
+    vocab = meta("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    scaling = None
+    if meta("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_layers=meta("block_count"),
+        num_heads=heads,
+        num_kv_heads=meta("attention.head_count_kv", heads),
+        head_dim=meta("rope.dimension_count", hidden // heads),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta("rope.freq_base", 10000.0),
+        rope_scaling=scaling,
+        max_position_embeddings=meta("context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+    )
