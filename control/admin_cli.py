@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from protocol import PoolKind
+
 DEFAULT_SERVER = "127.0.0.1:50051"
-POOLS = ("prefill", "decode", "colocated")
+POOLS = tuple(kind.value for kind in PoolKind)  # the CLI's spelling: the enum's values
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -8,10 +8,9 @@ from control.admin import DEFAULT_TIMEOUT_S, AdminError, DrainOutcome, PoolAdmin
 from protocol import Method, PoolKind
 from protos.pdserve.v1 import admin_pb2 as pb
 from protos.pdserve.v1 import admin_pb2_grpc as pb_grpc
-from protos.pdserve.v1 import generation_pb2 as gen_pb
+from router.servicer import POOL_KINDS
 
-POOLS = {PoolKind.PREFILL: gen_pb.POOL_KIND_PREFILL, PoolKind.DECODE: gen_pb.POOL_KIND_DECODE,
-         PoolKind.COLOCATED: gen_pb.POOL_KIND_COLOCATED}
+POOLS = POOL_KINDS  # the wire's spelling of a pool kind, one table for both services
 KINDS = {v: k for k, v in POOLS.items()}
 METHODS = {pb.MIGRATION_METHOD_UNSPECIFIED: Method.KV, pb.MIGRATION_METHOD_KV: Method.KV,
            pb.MIGRATION_METHOD_RECOMPUTE: Method.RECOMPUTE}

@@ -117,7 +117,7 @@ class Admission:
                 await self.shared.wait_room(deadline, "UNAVAILABLE", f"no live {missing} worker: the {missing} pool is "
                                       "being replaced; check its workers' logs")
                 continue
-            self.check_fits(need, decoders, "decode")
+            self.check_fits(need, decoders, PoolKind.DECODE)
             limit = self.config.max_queued_prefill_tokens
             open_ = [ld for ld in (w.snapshot() for w in prefills)
                      if ld.queued_prefill_tokens == 0 or ld.queued_prefill_tokens + n <= limit]
@@ -185,7 +185,7 @@ class Admission:
                 await self.shared.wait_room(deadline, "UNAVAILABLE", "no live decode worker: the decode pool is being "
                                       "replaced")
                 continue
-            self.check_fits(need, decoders, "decode")
+            self.check_fits(need, decoders, PoolKind.DECODE)
             tried: set[str] = set()
             while True:
                 if not prefill.alive:  # lost while this request waited for room: place it again
@@ -331,10 +331,10 @@ class Admission:
             self.num_queued -= 1
 
     @staticmethod
-    def check_fits(need: int, workers: list[Worker], pool: str) -> None:
+    def check_fits(need: int, workers: list[Worker], pool: PoolKind) -> None:
         """A prompt larger than any worker's whole KV cache can never be served: refuse it, not retry it."""
         largest = max(w.load.total_blocks for w in workers)
         if need > largest:
-            raise RouterError("INVALID_ARGUMENT", f"prompt: needs {need} KV blocks but the largest {pool} worker "
+            raise RouterError("INVALID_ARGUMENT", f"prompt: needs {need} KV blocks but the largest {pool.value} worker "
                               f"holds {largest}; shorten the prompt or give the workers more KV memory")
 

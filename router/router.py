@@ -219,7 +219,7 @@ class Router:
             choice = await self.admission.choose_prefill(att)
             worker = self.workers[choice.worker_id]
             # the prompt and its first token must fit one worker's cache (else every attempt would fail alike)
-            self.admission.check_fits(cdiv(len(att.prompt) + 1, self.block_size), [worker], "colocated")
+            self.admission.check_fits(cdiv(len(att.prompt) + 1, self.block_size), [worker], PoolKind.COLOCATED)
             att.prefill = att.decode = worker
             return self._local(state, att)
         path = await self.admission.place(att)

@@ -5,6 +5,7 @@ but with asyncio calls instead of actor calls. The engines and transports are pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -141,15 +142,33 @@ async def close(*workers: PrefillWorker | DecodeWorker) -> None:
         await w.shutdown()
 
 
+@contextlib.asynccontextmanager
+async def serving(rendezvous: RendezvousServer, max_num_batched_tokens: int = 512
+                  ) -> AsyncIterator[tuple[PrefillWorker, DecodeWorker, Steps]]:
+    """A prefill/decode pair and the decode worker's step stream, shut down whatever the test did."""
+    prefill, decode = make_pair(rendezvous, max_num_batched_tokens)
+    steps = Steps(decode)
+    try:
+        yield prefill, decode, steps
+    finally:
+        await steps.close()
+        await close(prefill, decode)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition did not hold in time"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("reserve_first", [True, False], ids=["reserved", "destination-wanted"])
 def test_prefill_to_decode_is_the_single_engine_greedy_output_and_frees_every_block(
         rendezvous, reference, reserve_first):
     async def go() -> None:
         # a small step budget: the prompts are prefilled in chunks, the destination asked for mid-prompt
         budget = 512 if reserve_first else 16
-        prefill, decode = make_pair(rendezvous, max_num_batched_tokens=budget)
-        steps = Steps(decode)
-        try:
+        async with serving(rendezvous, max_num_batched_tokens=budget) as (prefill, decode, steps):
             info = await prefill.info(), await decode.info()
             assert [i.kind for i in info] == [PoolKind.PREFILL, PoolKind.DECODE]
             assert info[0].destination_horizon_tokens == 2 * budget and info[1].kv_address is not None
@@ -165,33 +184,23 @@ def test_prefill_to_decode_is_the_single_engine_greedy_output_and_frees_every_bl
             await asyncio.sleep(0)
             await decode.report()  # (a loop round trip: the last step's bookkeeping is done)
             assert_all_free(prefill, decode)
-        finally:
-            await steps.close()
-            await close(prefill, decode)
 
     run(go)
 
 
 def test_a_first_token_that_ends_the_request_frees_both_sides(rendezvous, reference):
     async def go() -> None:
-        prefill, decode = make_pair(rendezvous)
-        steps = Steps(decode)
-        try:
+        async with serving(rendezvous) as (prefill, decode, steps):
             assert await disaggregated(prefill, decode, steps, "one", PROMPTS[1], greedy(1)) == reference[1, 1]
             await decode.report()
             assert_all_free(prefill, decode)
-        finally:
-            await steps.close()
-            await close(prefill, decode)
 
     run(go)
 
 
 def test_aborts_free_every_block_on_both_sides(rendezvous):
     async def go() -> None:
-        prefill, decode = make_pair(rendezvous, max_num_batched_tokens=16)
-        steps = Steps(decode)
-        try:
+        async with serving(rendezvous, max_num_batched_tokens=16) as (prefill, decode, steps):
             # a reservation aborted before its KV came
             src = prefill.sender.endpoint_id
             assert await decode.reserve("held", PROMPTS[2], greedy(6), src) is not None
@@ -209,8 +218,7 @@ def test_aborts_free_every_block_on_both_sides(rendezvous):
             async for item in prefill.prefill("long", PROMPTS[0], params, reservation):
                 if isinstance(item, FirstToken):
                     await decode.start("long", item.token)
-            while len(steps.tokens.get("long", [])) < 3:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: len(steps.tokens.get("long", [])) >= 3)
             await decode.abort("long")
             # a router replica gone: everything its attempts hold ends
             assert await decode.reserve("gone/a", PROMPTS[1], greedy(6), src) is not None
@@ -218,9 +226,6 @@ def test_aborts_free_every_block_on_both_sides(rendezvous):
             await prefill.report()
             await decode.report()
             assert_all_free(prefill, decode)
-        finally:
-            await steps.close()
-            await close(prefill, decode)
 
     run(go)
 
