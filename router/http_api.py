@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.tokenizer import Tokenizer
+from protocol import FinishReason
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.observer import RequestObserver
 from router.router import Router, RouterError
@@ -298,7 +299,7 @@ class HttpDoor:
         except RouterError as e:
             raise _api_error(e) from e
         assert last is not None and last.finish is not None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish.value}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -315,11 +316,12 @@ class HttpDoor:
         def event(payload: dict) -> bytes:
             return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
-        def choice(text: str, finish: str | None, role: bool = False) -> dict:
+        def choice(text: str, finish: FinishReason | None, role: bool = False) -> dict:
+            reason = None if finish is None else finish.value
             if chat:
                 delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+                return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
 
         last = None
         try:

@@ -7,7 +7,7 @@ import contextlib
 import grpc
 
 from engine.tokenizer import Tokenizer
-from protocol import PoolKind
+from protocol import FinishReason, PoolKind
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.observer import RequestObserver
@@ -15,7 +15,7 @@ from router.router import RequestState, Router, RouterError
 from router.streaming import stream_text
 from router.validation import InvalidArgument, Limits, ValidatedRequest, validate_request
 
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 POOL_KINDS = {PoolKind.PREFILL: pb.POOL_KIND_PREFILL, PoolKind.DECODE: pb.POOL_KIND_DECODE,
               PoolKind.COLOCATED: pb.POOL_KIND_COLOCATED}
 
@@ -48,7 +48,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
     def _response(self, req: ValidatedRequest, state: RequestState, token_ids: list[int], text: str,
-                  finish: str | None, completion: int) -> pb.GenerateResponse:
+                  finish: FinishReason | None, completion: int) -> pb.GenerateResponse:
         res = pb.GenerateResponse(request_id=req.request_id, token_ids=token_ids, text=text)
         if finish is None:
             return res

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from protocol import FinishReason
 from router.observer import RequestObserver
 from router.router import RequestState, Router, RouterError
 from router.stop import StopStringMatcher
@@ -18,7 +19,7 @@ from router.validation import ValidatedRequest
 class TextChunk:
     token_ids: list[int]
     text: str
-    finish: str | None  # "stop" | "length" on the last chunk
+    finish: FinishReason | None  # STOP | LENGTH on the last chunk
     state: RequestState
     completion_tokens: int  # tokens generated so far (stop-string tails included)
 
@@ -36,16 +37,16 @@ async def stream_text(router: Router, req: ValidatedRequest, tokenizer: Tokenize
         async for event, state in stream:
             completion += len(event.token_ids)
             stop = stops.add(detok.add(event.token_ids))
-            finish = "stop" if stop.stopped else event.finish_reason
+            finish = FinishReason.STOP if stop.stopped else event.finish_reason
             text = stop.text
             if finish is not None and not stop.stopped:
                 tail = stops.flush()
                 text += tail.text
-                finish = "stop" if tail.stopped else finish
+                finish = FinishReason.STOP if tail.stopped else finish
             observer.on_event(req, state, event)
             if finish is not None:
                 # NOTE: before the yield: consumers stop at the last chunk and close this generator there
-                outcome = finish
+                outcome = finish.value  # the metrics' label: a string at the edge
             yield TextChunk(list(event.token_ids), text, finish, state, completion)
             if finish is not None:
                 return
