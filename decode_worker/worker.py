@@ -228,10 +228,12 @@ class DecodeWorker(WorkerBase):
         for peer in peers:
             self.sender.connect(peer)
 
-    async def send_kv(self, request_id: str, dst_key: str, reservation: Reservation) -> KVMoveResult:
+    async def send_kv(self, request_id: str, dst_key: str, reservation: Reservation,
+                      timeout_s: float) -> KVMoveResult:
         """Push held `request_id`'s KV into `reservation` (made on another decode worker for `dst_key`, with
-        this worker named as the source); answers once the destination acknowledged every layer or the
-        transfer failed. The held sequence stays here until the router aborts it."""
+        this worker named as the source); answers once the destination acknowledged every layer, or the
+        transfer failed or outlived `timeout_s` (what is left of the router's bound on the move). The held
+        sequence stays here until the router aborts it."""
         assert self.sender is not None, "send_kv() on a colocated worker"
         future = asyncio.get_running_loop().create_future()
 
@@ -248,7 +250,7 @@ class DecodeWorker(WorkerBase):
                 future.set_result(KVMoveResult(True))
                 return
             self.sender.begin(dst_key, reservation.kv_address, req.block_ids[skip:n], reservation.block_ids[skip:n],
-                              time.monotonic() + self.kv_config.move_timeout_s)
+                              time.monotonic() + timeout_s)
             for layer in range(self.engine.cache_spec.num_layers):  # all written long ago: ship them all
                 self.sender.send_layer(dst_key, layer)
             self.moves[dst_key] = _Move(request_id, future, time.time(), (n - skip) * self.engine.cache_spec.bytes_per_block)

@@ -7,7 +7,7 @@ without pulling in torch and the model.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "LLM": "engine.llm_engine",
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

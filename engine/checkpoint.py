@@ -9,6 +9,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
     H, inter = config.hidden_size, config.intermediate_size
 
     def lin(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+        return torch.randn(out_f, in_f, generator=g).div(float(in_f ** 0.5))
 
     def norm() -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(H, generator=g)
@@ -44,7 +45,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
     return s
 
 
-def byte_tokenizer(chat_template: str):
+def byte_tokenizer(chat_template: str) -> Any:
     """A byte-level tokenizer: ids 0-255 are bytes, 256 = <s>, 257 = </s>; any text round-trips."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -54,12 +55,12 @@ def byte_tokenizer(chat_template: str):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")  # type: ignore[no-untyped-call]
     fast.chat_template = chat_template
     return fast
 
 
-def write_checkpoint(out: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer) -> None:
+def write_checkpoint(out: Path, config: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Any) -> None:
     """Write an HF model directory atomically (a half-written cache must never look complete)."""
     from safetensors.torch import save_file
 

@@ -61,7 +61,7 @@ class EngineLoop:
         self.on_fatal = on_fatal
         self.last_progress = time.monotonic()
         self.waiting_on_io = False
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._steps = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

@@ -30,7 +30,8 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     # inverse of llama.cpp's convert permute: (heads, 2, d/2, in) <- (heads, d/2, 2, in)
     out_dim = w.shape[0]
-    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    out: np.ndarray = w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return out
 
 
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -57,7 +57,10 @@ def pick_device(device: str | None) -> torch.device:
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype: {dtype!r} is not a torch dtype (float32, bfloat16, float16)")
+    return value
 
 
 class LLMEngine(EngineBackend):

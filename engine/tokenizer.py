@@ -6,6 +6,7 @@ import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 _PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
@@ -25,20 +26,21 @@ class Tokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        return self.hf.eos_token_id
+        eos = self.hf.eos_token_id
+        return None if eos is None else int(eos)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text)
+        return list(self.hf.encode(text))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._fast is not None:
-            return self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+            return str(self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
         text = self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         assert isinstance(text, str), "one sequence decodes to one string"
         return text
 
     @functools.cached_property
-    def _fast(self):
+    def _fast(self) -> Any:
         """The Rust tokenizer, when transformers' decode would add nothing to it (no space clean-up).
         NOTE: the router decodes every streamed token; transformers' Python wrapper was most of that cost."""
         fast = getattr(self.hf, "backend_tokenizer", None)
@@ -61,7 +63,7 @@ class Tokenizer:
                 raise ValueError("messages: content must not contain the code points U+E000 or U+E001")
         if not any(marker in m["content"] for m in messages for marker in self._markers):
             text = str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-            return self.hf.encode(text, add_special_tokens=False)
+            return list(self.hf.encode(text, add_special_tokens=False))
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
         text = str(self.hf.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
                                                tokenize=False, add_generation_prompt=True))

@@ -84,7 +84,7 @@ class WorkerBase:
 
         return await self._on_loop(release)
 
-    async def describe(self) -> dict:
+    async def describe(self) -> dict[str, Any]:
         """What this worker holds right now (for debugging and operators)."""
         return await self._on_loop(self._describe)
 
@@ -117,7 +117,7 @@ class WorkerBase:
         """End the attempt and free what it holds (on the loop thread); a no-op for an unknown one."""
         self.engine.abort_request(request_id)
 
-    def _describe(self) -> dict:
+    def _describe(self) -> dict[str, Any]:
         return {"requests": {rid: r.status.name for rid, r in self.engine.requests.items()}}
 
     def _on_step(self, out: StepOutput) -> None:

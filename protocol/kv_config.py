@@ -3,9 +3,10 @@
 Every wait in `kv_transfer` is bounded by one of these numbers, so a dead or stalled peer always surfaces as an
 error instead of a hang: `op_timeout_s` bounds one send, `liveness_s` bounds the silence on an idle pair
 (senders ping every `keepalive_s`), `connect_timeout_s` bounds making a pair's group. A transfer's own
-deadline is passed per request and enforced separately (see `kv_transfer.book.TransferBook`); the workers take it from
-`transfer_timeout_s` (a prompt's KV, prefill to decode) and `move_timeout_s` (a drained sequence's KV,
-decode to decode).
+deadline is passed per request and enforced separately (see `kv_transfer.book.TransferBook`): the prefill
+worker takes it from `transfer_timeout_s` (a prompt's KV, prefill to decode); a drained sequence's move
+(decode to decode) gets what is left of the router's bound on the whole move (`RouterConfig.kv_move_timeout_s`)
+with the call that starts it.
 
 Standard library only: the serve process makes one for its workers without loading the transport (torch).
 """
@@ -38,9 +39,6 @@ class KVTransferConfig:
     # layer, between two layers (each layer sent pushes the deadline on), or from the last layer to the
     # receiver's verdict (the prefill worker's deadline)
     transfer_timeout_s: float = 30.0
-    # a drained sequence's KV must have reached the other decode worker this long after the move began
-    # (the source decode worker's deadline)
-    move_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:
@@ -54,8 +52,7 @@ class KVTransferConfig:
                                  f"got {self.rendezvous_port}")
         if not self.namespace:
             raise ValueError("KVTransferConfig.namespace must not be empty")
-        for name in ("connect_timeout_s", "op_timeout_s", "keepalive_s", "liveness_s", "transfer_timeout_s",
-                     "move_timeout_s"):
+        for name in ("connect_timeout_s", "op_timeout_s", "keepalive_s", "liveness_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"KVTransferConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.liveness_s <= 2 * self.keepalive_s:

@@ -7,9 +7,8 @@ decode → decode over `kv_transfer` (`send_kv`), and a new attempt decodes on f
 (`move_kv`). Nothing is recomputed, and the client sees one pause. A move that cannot happen falls back to
 recompute.
 
-NOTE: `RouterConfig.kv_move_timeout_s` (60 s) bounds the whole move here, while the source decode worker
-bounds its side of the same move by `KVTransferConfig.move_timeout_s` (30 s, `protocol.kv_config`): two
-timeouts for one move, to be made one.
+One timeout bounds a move, `RouterConfig.kv_move_timeout_s`: the destination's reservation, the push and the
+start must all end within it, and the source decode worker's transfer gets what is left of it as its deadline.
 """
 
 from __future__ import annotations
@@ -130,6 +129,7 @@ class Drains:
         new = state.new_attempt(kv_move=True)
         self.shared.attempts[new.key] = new
         timeout = self.config.kv_move_timeout_s
+        deadline = time.monotonic() + timeout
         moved = False
         try:
             need = cdiv(len(new.prompt), self.block_size)
@@ -145,7 +145,8 @@ class Drains:
                                                                timeout)
                     if new.reservation is None:
                         return None
-                    result = await src.client.send_kv(att.key, new.key, new.reservation, timeout)
+                    result = await src.client.send_kv(att.key, new.key, new.reservation,
+                                                      max(deadline - time.monotonic(), 0.1))
                     self.shared.observer.on_kv_move(src.worker_id, dst.worker_id, result)
                     move = KVMove(state.id, src.worker_id, dst.worker_id, len(new.prompt), result)
                     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ class Matmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+            return _packed(torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], ""))
         return F.linear(x, self.weight)
 
     # NOTE: the fused variants below run the pointwise op as a oneDNN post-op of the matmul, so a decode
@@ -49,25 +50,30 @@ class Matmul:
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ weight.T)"""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "swish", [], "")
+            return _packed(torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "swish", [], ""))
         return F.silu(F.linear(x, self.weight))
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """x @ weight.T + other (a residual)"""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "add")
+            return _packed(torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "add"))
         return torch.add(F.linear(x, self.weight), other)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ weight.T) * other"""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "mul")
+            return _packed(torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "mul"))
         return torch.mul(F.linear(x, self.weight), other)
+
+
+def _packed(out: Any) -> torch.Tensor:
+    """A oneDNN op's result (`torch.ops` calls are untyped)."""
+    return cast(torch.Tensor, out)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
+            and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
@@ -165,9 +171,11 @@ def unit_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without its weight, scaled by 1/sqrt(hidden): h / sqrt(sum(h^2) + eps * hidden). The weight
     and the sqrt(hidden) live in the next matrices (see `LayerWeights`); `eps` comes pre-multiplied."""
     if h.dtype == torch.float32:
-        return h * torch.linalg.vecdot(h, h).unsqueeze(-1).add_(eps).rsqrt_()
+        inv: torch.Tensor = torch.linalg.vecdot(h, h).unsqueeze(-1).add_(eps).rsqrt_()
+        return h * inv
     x = h.float()  # bf16/fp16: the sum of squares in float32, as HF does
-    return (x * torch.linalg.vecdot(x, x).unsqueeze(-1).add_(eps).rsqrt_()).to(h.dtype)
+    inv = torch.linalg.vecdot(x, x).unsqueeze(-1).add_(eps).rsqrt_()
+    return (x * inv).to(h.dtype)
 
 
 def _present(state_dict: dict[str, torch.Tensor], *names: str) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
         factor = scaling["factor"]

@@ -37,13 +37,19 @@ def make_config(transport: str, port: int | None, secret: str | None = SECRET) -
     """Timeouts short enough that failure tests finish in seconds, long enough for a loaded 2-core box.
     Link requests are authenticated, as in a deployment, unless `secret` is None.
 
-    NOTE: 6 s, not 2, for the Ray object-store transport: each of its messages is an actor call, and on a
-    slow day of this machine a first call to a fresh inbox, or a long-poll under ten interleaved
-    transfers, took over 2 s (ray-ray transfers failed at a commit whose code they had passed on)."""
-    slack = 6.0 if transport == "ray" else 2.0
+    NOTE: the Ray object-store transport gets more: each of its messages is an actor call, and on a slow
+    day of this machine a first call to a fresh inbox, or a long-poll under ten interleaved transfers,
+    took over 2 s, and in a clean-clone CI run (2026-12-02) one inbox call of a warm-up transfer took over
+    6 s while the suite's other Ray workers ran, and in another a receiver's reply took over 6 s to come
+    back. Its `op_timeout_s` (one actor call) is 15 s: no failure test waits for it to pass (a killed
+    inbox fails its calls at once, a paused peer's inbox is not paused), so a generous bound costs
+    nothing; its `liveness_s` (the silence after which a pair is dead) is 12 s, which the tests that
+    pause a peer wait through."""
+    liveness_s = 12.0 if transport == "ray" else 2.0
+    op_timeout_s = 15.0 if transport == "ray" else 2.0
     return KVTransferConfig(kv_transport=transport, rendezvous_host=HOST if transport == "torch" else None,
                             rendezvous_port=port if transport == "torch" else None, connect_timeout_s=20.0,
-                            op_timeout_s=slack, keepalive_s=0.25, liveness_s=slack, secret=secret)
+                            op_timeout_s=op_timeout_s, keepalive_s=0.25, liveness_s=liveness_s, secret=secret)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def reference() -> dict[tuple[int, int], list[int]]:
 def kv_config(rendezvous: RendezvousServer) -> KVTransferConfig:
     return KVTransferConfig(kv_transport="torch", rendezvous_host=HOST, rendezvous_port=rendezvous.port,
                             connect_timeout_s=20.0, op_timeout_s=5.0, keepalive_s=0.25, liveness_s=5.0,
-                            transfer_timeout_s=20.0, move_timeout_s=20.0)
+                            transfer_timeout_s=20.0)
 
 
 _n = iter(range(10**6))
