@@ -94,7 +94,6 @@ class DecodeWorker(WorkerBase):
             engine = LLMEngine(config)
         super().__init__(worker_id, engine)
         self.kind = PoolKind.DECODE if kv_config is not None else PoolKind.COLOCATED
-        self.kv_config = kv_config
         self.lease_s = lease_s
         if kv_config is not None:
             self.receiver = receiver if receiver is not None else create_receiver(

@@ -6,7 +6,7 @@ import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 _PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
@@ -30,11 +30,11 @@ class Tokenizer:
         return None if eos is None else int(eos)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text))
+        return cast(list[int], self.hf.encode(text))  # typing only: no copy on the request path
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._fast is not None:
-            return str(self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+            return cast(str, self._fast.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
         text = self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         assert isinstance(text, str), "one sequence decodes to one string"
         return text
@@ -63,7 +63,7 @@ class Tokenizer:
                 raise ValueError("messages: content must not contain the code points U+E000 or U+E001")
         if not any(marker in m["content"] for m in messages for marker in self._markers):
             text = str(self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-            return list(self.hf.encode(text, add_special_tokens=False))
+            return cast(list[int], self.hf.encode(text, add_special_tokens=False))
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points
         text = str(self.hf.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
                                                tokenize=False, add_generation_prompt=True))

@@ -116,7 +116,7 @@ class WorkerClient(ABC):
     @abstractmethod
     async def send_kv(self, key: str, dst_key: str, reservation: Reservation, timeout: float) -> KVMoveResult:
         """Drain: push held `key`'s KV into a reservation made on another decode worker for `dst_key`; the
-        worker fails the transfer once `timeout` has passed, and the call waits a little past it for that."""
+        worker's transfer and the call share the one bound, `timeout`."""
 
     @abstractmethod
     async def kv_digest(self, key: str, num_tokens: int, timeout: float) -> str:
@@ -208,7 +208,7 @@ class RayWorkerClient(WorkerClient):
         await self._call(self.actor.connect.remote(peers), timeout)
 
     async def send_kv(self, key: str, dst_key: str, reservation: Reservation, timeout: float) -> KVMoveResult:
-        return await self._call(self.actor.send_kv.remote(key, dst_key, reservation, timeout), timeout + 2.0)
+        return await self._call(self.actor.send_kv.remote(key, dst_key, reservation, timeout), timeout)
 
     async def kv_digest(self, key: str, num_tokens: int, timeout: float) -> str:
         return await self._call(self.actor.kv_digest.remote(key, num_tokens), timeout)
