@@ -125,6 +125,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "'off': no endpoint)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                   help="what runs the model: pdserve's own engine (boots in seconds), or vLLM in-process in each "
+                        "worker (every model vLLM serves; needs the [vllm] extra, README: vLLM)")
+    p.add_argument("--prefill-engine", choices=["builtin", "vllm"], default=None,
+                   help="the prefill pool's engine (default --engine); it must match the decode pool's")
+    p.add_argument("--decode-engine", choices=["builtin", "vllm"], default=None,
+                   help="the decode pool's engine (default --engine)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: the engine's, 16 built-in, 128 vLLM)")
     p.add_argument("--speculative", choices=["ngram"], default=None,
                    help="speculative decoding in the decode (and colocated) workers: ngram = prompt lookup")
     p.add_argument("--num-speculative-tokens", type=int, default=8,
@@ -171,7 +180,8 @@ def serve_config(args: argparse.Namespace):
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,
         prefill_chunk_tokens=args.prefill_chunk_tokens, decode_prefill_chunk_tokens=args.decode_prefill_chunk_tokens,
-        routers_spread=args.routers_spread, max_pool_size=args.max_pool_size)
+        routers_spread=args.routers_spread, max_pool_size=args.max_pool_size, engine=args.engine,
+        prefill_engine=args.prefill_engine, decode_engine=args.decode_engine, block_size=args.block_size)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -8,7 +8,14 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import (
+    BACKENDS,
+    DEFAULT_BLOCK_SIZE,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from protocol import PoolKind
 from protocol.kv_config import KVTransferConfig
 from router.cost_model import CostPriors
@@ -33,7 +40,11 @@ class ServeConfig:
     worker_threads: int | None = None  # torch threads per worker; None -> this machine's cores / workers
     max_model_len: int | None = None
     num_blocks: int | None = None  # KV blocks per worker; None -> a share of free memory
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None -> the engine's default (`kv_block_size`)
+    # what runs the model in every pool ("builtin" or "vllm"), or per pool (None: `engine`)
+    engine: str = "builtin"
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # decode/colocated step budget
     prefill_max_num_batched_tokens: int = 2048  # prefill pool step budget (fair order: the chunk cap below)
@@ -73,6 +84,20 @@ class ServeConfig:
     max_pool_size: int = 64  # the most workers `pdserve scale` may ask of one pool
 
     def __post_init__(self) -> None:
+        for name in ("engine", "prefill_engine", "decode_engine"):
+            value = getattr(self, name)
+            if value is not None and value not in BACKENDS:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(BACKENDS)}, got {value!r}")
+        if self.pool_engine(PoolKind.PREFILL) != self.pool_engine(PoolKind.DECODE) and not self.colocated_workers:
+            # NOTE: KV moves between the pools block for block; the engines' blocks differ in size (16 and 128
+            # tokens by default) and in layout (vLLM's CPU cache interleaves heads and K/V its own way)
+            raise ValueError(f"--prefill-engine {self.pool_engine(PoolKind.PREFILL)} and --decode-engine "
+                             f"{self.pool_engine(PoolKind.DECODE)}: their KV layouts differ (block_size and the "
+                             "per-block layout), so KV cannot move between the pools; run both on one engine")
+        if self.speculative is not None and self.pool_engine(PoolKind.DECODE) == "vllm":
+            raise ValueError("--speculative is the built-in engine's; it cannot be combined with --engine vllm")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         for name in ("prefill_workers", "decode_workers", "colocated_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -132,23 +157,35 @@ class ServeConfig:
         """Whether the workers' KV links meet at a rendezvous store (torch.distributed between pools)."""
         return not self.colocated_workers and self.kv_transport == "torch"
 
+    def pool_engine(self, kind: PoolKind) -> str:
+        """The engine a pool's workers run."""
+        own = {PoolKind.PREFILL: self.prefill_engine, PoolKind.DECODE: self.decode_engine}.get(kind)
+        return own or self.engine
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block: --block-size, or the engine's own default (every pool runs one engine's)."""
+        kind = PoolKind.COLOCATED if self.colocated_workers else PoolKind.DECODE
+        return self.block_size or DEFAULT_BLOCK_SIZE[self.pool_engine(kind)]
+
     @property
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers + self.colocated_workers
 
-    def engine_config(self, budget: int, decodes: bool = True, chunk: int | None = None) -> EngineConfig:
-        """A worker's engine; `decodes`: it runs decode steps (so speculation applies to it); `chunk`: its
-        prompt tokens per step (default --prefill-chunk-tokens)."""
+    def engine_config(self, budget: int, decodes: bool = True, chunk: int | None = None,
+                      kind: PoolKind = PoolKind.DECODE) -> EngineConfig:
+        """A pool's workers' engine; `decodes`: it runs decode steps (so speculation applies to it); `chunk`:
+        its prompt tokens per step (default --prefill-chunk-tokens)."""
         threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
         spec = (SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.max_draft_tokens_per_step)
                 if decodes else SpeculativeConfig())
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             max_model_len=self.max_model_len, num_threads=threads,
-                            cache=CacheConfig(self.block_size, self.num_blocks),
+                            cache=CacheConfig(self.kv_block_size, self.num_blocks),
                             scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order,
                                                       prefill_chunk_tokens=self.prefill_chunk_tokens
                                                       if chunk is None else chunk),
-                            speculative=spec)
+                            speculative=spec, backend=self.pool_engine(kind))
 
     def tls(self) -> TLSConfig | None:
         """The TLS files, checked to exist (ValueError naming the flag): at start, not at parse time, so a
@@ -159,7 +196,7 @@ class ServeConfig:
                          Path(self.tls_client_ca) if self.tls_client_ca else None)
 
     def router_config(self, router_id: str = "") -> RouterConfig:
-        return RouterConfig(self.block_size, self.routing, self.max_queue, self.admission_timeout_s,
+        return RouterConfig(self.kv_block_size, self.routing, self.max_queue, self.admission_timeout_s,
                             self.max_queued_prefill_tokens, self.migration_limit,
                             call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves,
                             placement=self.placement, local_prefill=self.local_prefill, router_id=router_id,
@@ -171,9 +208,10 @@ class ServeConfig:
     def pool_specs(self) -> list[PoolSpec]:
         if self.colocated_workers:
             return [PoolSpec(PoolKind.COLOCATED, self.colocated_workers,
-                             self.engine_config(self.max_num_batched_tokens), self.decode_resources)]
+                             self.engine_config(self.max_num_batched_tokens, kind=PoolKind.COLOCATED),
+                             self.decode_resources)]
         return [PoolSpec(PoolKind.PREFILL, self.prefill_workers,
-                         self.engine_config(self.prefill_max_num_batched_tokens, decodes=False),
+                         self.engine_config(self.prefill_max_num_batched_tokens, decodes=False, kind=PoolKind.PREFILL),
                          self.prefill_resources),
                 PoolSpec(PoolKind.DECODE, self.decode_workers,
                          self.engine_config(self.max_num_batched_tokens, chunk=self.decode_prefill_chunk_tokens),

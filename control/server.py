@@ -106,7 +106,7 @@ class Server:
 
     async def _open_doors(self, tokenizer: Tokenizer, limits: Limits) -> TLSConfig | None:
         c = self.config
-        servicer = GenerationServicer(c.model, tokenizer, limits, c.block_size, self.observer)
+        servicer = GenerationServicer(c.model, tokenizer, limits, c.kv_block_size, self.observer)
         self.servicer = servicer
 
         # NOTE: gRPC sets SO_REUSEPORT by default, which would let a second deployment bind a taken port and

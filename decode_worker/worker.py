@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from engine.backend import EngineBackend
+from engine.backend import EngineBackend, create_engine
 from engine.config import EngineConfig, cdiv
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -89,15 +89,13 @@ class DecodeWorker(WorkerBase):
         """`kv_config` None: the colocated role (no KV transport). `engine`, `receiver` and `sender`: made from
         `config` and `kv_config` unless passed in (tests pass their own)."""
         if engine is None:
-            from engine.llm_engine import LLMEngine
-
-            engine = LLMEngine(config)
+            engine = create_engine(config)
         super().__init__(worker_id, engine)
         self.kind = PoolKind.DECODE if kv_config is not None else PoolKind.COLOCATED
         self.lease_s = lease_s
         if kv_config is not None:
             self.receiver = receiver if receiver is not None else create_receiver(
-                kv_config, worker_id, engine.kv_cache, self.node_ip)
+                kv_config, worker_id, engine.landing_cache, self.node_ip)
             # a decode worker sends too: a drained sequence's KV to another decode worker
             self.sender = sender if sender is not None else create_sender(
                 kv_config, worker_id, engine.kv_cache, self.node_ip)

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from protocol.messages import EngineLoad, LoadReport, StepStats
@@ -79,6 +80,12 @@ class EngineBackend(ABC):
 
     # -- KV from another engine (decode side) -----------------------------------------------------------
 
+    @property
+    def landing_cache(self) -> Any:
+        """Where KV from another engine lands (a receiver writes here): the cache itself, unless the engine
+        allocates its blocks only when it schedules (vLLM: a staging cache it loads from)."""
+        return self.kv_cache
+
     @abstractmethod
     def reserve_for_kv(self, request: Request) -> list[int] | None:
         """Blocks for a prompt whose KV another engine computes (the request goes to WAITING_FOR_KV): its
@@ -118,3 +125,14 @@ class EngineBackend(ABC):
     def kv_tensor(self) -> Any:
         """The cache as one tensor, [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
         return self.kv_cache.tensor
+
+
+def create_engine(config: EngineConfig) -> EngineBackend:
+    """The engine `config.backend` names (vLLM is imported only when asked for)."""
+    if config.backend == "vllm":
+        from engine.vllm_engine import VllmEngine
+
+        return VllmEngine(config)
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(config)

@@ -11,6 +11,7 @@ Running out of blocks is a normal outcome: `allocate` returns None and changes n
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -56,6 +57,15 @@ class CacheEventLog:
         if seq < 0 or n < 0 or n > len(self._log):
             return None
         return list(islice(self._log, len(self._log) - n, None))
+
+    def changes(self, seq: int, cached: Iterable[BlockHash]) -> CacheEvents:
+        """The changes after change number `seq`, or `cached` (every block the cache holds now) as a full
+        snapshot when the log no longer holds them."""
+        changes = self.since(seq)
+        if changes is None:
+            return CacheEvents(list(cached), [], seq, self.seq, full=True)
+        return CacheEvents([h for h, stored in changes if stored], [h for h, stored in changes if not stored],
+                           seq, self.seq)
 
 
 class BlockAllocator:
@@ -151,11 +161,7 @@ class BlockAllocator:
     def changes_since(self, seq: int) -> CacheEvents:
         """The cache changes after change number `seq` (-1: none seen yet), or the whole cache when the log
         no longer holds them."""
-        changes = self.events.since(seq)
-        if changes is None:
-            return CacheEvents(list(self.cached), [], seq, self.events.seq, full=True)
-        return CacheEvents([h for h, stored in changes if stored], [h for h, stored in changes if not stored],
-                           seq, self.events.seq)
+        return self.events.changes(seq, self.cached)
 
     def _evict(self, block: int) -> None:
         h = self.block_hashes[block]

@@ -224,8 +224,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # what runs the model: "builtin" (pdserve's own engine) or "vllm" (an in-process vLLM engine)
+    backend: str = "builtin"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "vllm" and self.speculative.enabled:
+            raise ValueError("speculative decoding is the built-in engine's; --speculative needs --engine builtin")
         if not self.model:
             raise ValueError("EngineConfig.model must name a model")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -237,6 +243,9 @@ class EngineConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("builtin", "vllm")
+# the block size each backend runs by default on this kind of machine (vLLM's CPU attention: 128)
+DEFAULT_BLOCK_SIZE = {"builtin": 16, "vllm": 128}
 
 
 def cdiv(a: int, b: int) -> int:

@@ -44,6 +44,15 @@ class KVCache:
         self.tensor = torch.zeros((spec.num_layers, 2, num_blocks, *spec.block_shape), dtype=spec.dtype,
                                   device=device)
 
+    @classmethod
+    def over(cls, spec: KVCacheSpec, tensor: torch.Tensor) -> KVCache:
+        """A cache over another engine's memory: `tensor` is [num_layers, 2, num_blocks, block_size,
+        num_kv_heads, head_dim], a view that need not be contiguous (vLLM's layout, permuted)."""
+        assert tensor.shape == (spec.num_layers, 2, tensor.shape[2], *spec.block_shape), tensor.shape
+        cache = cls.__new__(cls)
+        cache.spec, cache.num_blocks, cache.tensor = spec, tensor.shape[2], tensor
+        return cache
+
     @property
     def device(self) -> torch.device:
         return self.tensor.device

