@@ -19,7 +19,7 @@ from control.admin_servicer import AdminServicer
 from control.config import ServeConfig, kv_transfer_config
 from control.launcher import ray_launcher
 from engine.hub import resolve_model
-from engine.model_files import load_config
+from engine.model_files import model_limits
 from engine.tokenizer import Tokenizer
 from protocol.kv_config import KVTransferConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
@@ -87,10 +87,10 @@ class Server:
 
             refuse_taken_port(c.port)  # before binding: SO_REUSEPORT would let this one take its connections
         path = resolve_model(c.model)  # download/convert once, here, before any worker looks for it
-        model = load_config(path)
+        context, vocab_size = model_limits(path)
         tokenizer = Tokenizer(path)
-        max_model_len = min(c.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-        limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size)
+        max_model_len = min(c.max_model_len or context, context)
+        limits = Limits(max_model_len=max_model_len, vocab_size=vocab_size)
         tls = await self._open_doors(tokenizer, limits)
         await self._start_router()
         self.servicer.router = self.router

@@ -19,6 +19,17 @@ def load_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
+def model_limits(path: Path) -> tuple[int, int]:
+    """(context length, vocabulary size) of any model family's checkpoint: what the doors validate against
+    (the built-in engine reads Llama-family configs only; vLLM serves every family)."""
+    if path.suffix == ".gguf":
+        config = load_config(path)
+        return config.max_position_embeddings, config.vocab_size
+    d = json.loads((path / "config.json").read_text())
+    d = d.get("text_config", d)  # multimodal configs nest the language model's
+    return int(d.get("max_position_embeddings", 2048)), int(d["vocab_size"])
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()

@@ -128,3 +128,68 @@ def test_vllm_kv_events_feed_the_prefix_index(server):
     assert again.usage.cached_prompt_tokens == (n // 128) * 128 > 0, (n, again.usage)
     reports = server.reports()
     assert reports[first.prefill_worker_id].load.cached_blocks >= n // 128
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_cancelled_stream_frees_its_blocks_in_both_pools(server):
+    call = server.stub.Generate(greedy_request(PROMPTS[4], 400, ignore_eos=True), timeout=120)
+    got = [next(call) for _ in range(3)]
+    assert sum(len(r.token_ids) for r in got) >= 3
+    call.cancel()
+    reports = server.wait_idle()
+    assert all(r.load.free_blocks == r.load.total_blocks and r.load.num_running == 0
+               for r in reports.values()), reports
+
+
+def _tiny_model(root, family: str):
+    """A tiny randomly initialised model of another family, built by transformers from a config (SmolLM2's
+    tokenizer files beside it: the vocabulary sizes agree)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from engine.hub import resolve_model
+
+    shape = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                 bos_token_id=1, eos_token_id=2)
+    if family == "qwen3":
+        config, cls = transformers.Qwen3Config(**shape), transformers.Qwen3ForCausalLM
+    else:  # a mixture of experts: 4 experts, 2 per token, every layer sparse
+        config = transformers.Qwen3MoeConfig(**shape, moe_intermediate_size=64, num_experts=4,
+                                             num_experts_per_tok=2, decoder_sparse_step=1)
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    out = root / family
+    cls(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model("smollm2-135m") / name, out / name)
+    return out
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
+def test_other_model_families_through_disaggregation(ray_cluster, tmp_path, family):
+    """Models the built-in engine cannot load, served 1P+1D over vLLM: greedy equal to transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _tiny_model(tmp_path, family.replace("-", ""))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [PROMPTS[0], PROMPTS[4]]  # one block, and three
+    want = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tok(prompt, return_tensors="pt").input_ids
+            want.append(model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, ids.shape[1]:].tolist())
+    with running_server(model=str(path), engine="vllm", prefill_workers=1, decode_workers=1,
+                        metrics_port=None, http_port=None) as s:
+        for prompt, tokens in zip(prompts, want):
+            responses = s.generate(greedy_request(prompt, 12, ignore_eos=True))
+            assert token_ids(responses) == tokens, prompt
+            assert responses[-1].timing.placement == "remote"
