@@ -211,7 +211,7 @@ class DecodeWorker(WorkerBase):
             req = self.engine.requests.get(request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 return None
-            if request_id not in self.engine.paused and not self.engine.pause(request_id):
+            if not self.engine.hold(request_id):
                 return None  # preempted: its KV is gone, only recompute can move it
             self.held.add(request_id)
             assert req.num_computed_tokens == req.num_tokens - 1, "a held sequence's KV is one token behind"
@@ -260,13 +260,9 @@ class DecodeWorker(WorkerBase):
         sequence's source and destination must agree on bit for bit (`--verify-kv-moves`)."""
 
         def digest() -> str:
-            req = self.engine.requests.get(request_id) or self.engine.paused.get(request_id)
-            if req is None or req.num_computed_tokens < num_tokens:
+            kv = self.engine.kv_of(request_id, num_tokens)
+            if kv is None:
                 raise ValueError(f"request {request_id!r} holds no KV for {num_tokens} tokens on {self.worker_id}")
-            bs = self.engine.cache_spec.block_size
-            blocks = req.block_ids[:cdiv(num_tokens, bs)]
-            # [num_layers, 2, n_blocks * block_size, kv_heads, head_dim], cut to the sequence's positions
-            kv = self.engine.kv_tensor()[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
             return hashlib.sha256(kv.contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
 
         return await self._on_loop(digest)

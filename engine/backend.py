@@ -78,6 +78,20 @@ class EngineBackend(ABC):
     def resume(self, request_id: str) -> bool:
         """Put a paused sequence back into the batch."""
 
+    def hold(self, request_id: str) -> bool:
+        """Take a running sequence out of the batch for good, its KV kept for a drain's move (it is then
+        aborted). False when it cannot be held (not running, or its KV is gone)."""
+        return request_id in self.paused or self.pause(request_id)
+
+    def kv_of(self, request_id: str, num_tokens: int) -> Any:
+        """K and V of a sequence's first `num_tokens` positions, [num_layers, 2, num_tokens, kv_heads,
+        head_dim]; None when it holds no KV for them here."""
+        req = self.requests.get(request_id) or self.paused.get(request_id)
+        if req is None or req.num_computed_tokens < num_tokens:
+            return None
+        blocks = req.block_ids[:-(-num_tokens // self.cache_spec.block_size)]
+        return self.kv_tensor()[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
+
     # -- KV from another engine (decode side) -----------------------------------------------------------
 
     @property

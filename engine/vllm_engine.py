@@ -120,6 +120,7 @@ class VllmEngine(EngineBackend):
         self._requests: dict[str, Request] = {}  # every unfinished request, by pdserve id
         self._vllm_ids: dict[str, str] = {}  # pdserve id -> vLLM's id, while vLLM has the request
         self._pdserve_ids: dict[str, str] = {}  # and back
+        self._paused: dict[str, Request] = {}  # sequences held for a drain's move, their blocks kept
         self._held: set[str] = set()  # vLLM ids whose blocks the connector holds for a send
         self._schedule: SchedulerOutput | None = None  # the step in progress, as `_on_schedule` saw it
         self._layer_hook_for: LayerHookFactory | None = None
@@ -167,13 +168,42 @@ class VllmEngine(EngineBackend):
 
     @property
     def paused(self) -> Mapping[str, Request]:
-        return {}
+        return self._paused
 
     def pause(self, request_id: str) -> bool:
-        return False  # vLLM offers no pause in-process: backpressure buffers, a drain recomputes
+        return False  # vLLM offers no pause in-process: backpressure buffers the tokens instead
 
     def resume(self, request_id: str) -> bool:
         return False
+
+    def hold(self, request_id: str) -> bool:
+        """A drain's hold: the vLLM request ends, its blocks kept by the connector (as a prefill's are for
+        its send), so the sequence's KV can still be read and moved until the router aborts it here."""
+        if request_id in self._paused:
+            return True
+        vllm_id, request = self._vllm_ids.get(request_id), self._requests.get(request_id)
+        if vllm_id is None or request is None:
+            return False
+        running = self._scheduler.requests.get(vllm_id)
+        # NOTE: its KV must cover every token but the last (the last step's sample), as a drain's move needs
+        if running is None or running.is_finished() or running.num_computed_tokens != request.num_tokens - 1:
+            return False
+        from engine.vllm_connector import SEND
+
+        request.block_ids = list(self._scheduler.kv_cache_manager.get_block_ids(vllm_id)[0])
+        running.kv_transfer_params = {**(running.kv_transfer_params or {}), SEND: True}
+        self._held.add(vllm_id)
+        self.llm.abort_request([vllm_id], internal=True)
+        self._paused[request_id] = request
+        return True
+
+    def kv_of(self, request_id: str, num_tokens: int) -> Any:
+        staged = self._staged.get(request_id)
+        if staged is None:
+            return super().kv_of(request_id, num_tokens)
+        assert self._landing is not None  # landed, not loaded into vLLM yet: it is in the staging cache
+        blocks = staged[:cdiv(num_tokens, self.cache_spec.block_size)]
+        return self._landing.tensor[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
 
     def enqueue(self, request: Request) -> None:
         extra = {"kv_transfer_params": {"pdserve_send": True}} if request.prefill_only else None
@@ -203,6 +233,7 @@ class VllmEngine(EngineBackend):
     def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self._requests.pop(request.request_id, None)
+        self._paused.pop(request.request_id, None)
         self._release_staging(request.request_id)
         vllm_id = self._vllm_ids.pop(request.request_id, None)
         if vllm_id is None:
@@ -266,6 +297,9 @@ class VllmEngine(EngineBackend):
         dst = torch.tensor(load.block_ids, dtype=torch.int64, device=self._landing.device)
         self.kv_cache.tensor.index_copy_(2, dst, self._landing.tensor.index_select(2, src))
         self._release_staging(rid)
+        request = self._requests[rid]  # its prompt's KV is in vLLM's blocks now (a digest reads them there)
+        request.block_ids = list(self._scheduler.kv_cache_manager.get_block_ids(load.vllm_id)[0])
+        request.num_computed_tokens = request.num_prompt_tokens
 
     def _release_staging(self, request_id: str) -> None:
         self._landing_free.extend(self._staged.pop(request_id, ()))

@@ -48,6 +48,10 @@ class _Job:
     transfer_opened_at: float | None = None  # None: no transfer opened (yet, or nothing to send)
     transfer_bytes: int = 0
     cache_since: int | None = None  # the asking router's cache cursor: its result carries the changes after it
+    # a first token sampled before the decode blocks were reserved (an engine that does not hold a prompt's
+    # last chunk for them: vLLM): it goes out with the destination, since the router starts the decode
+    # worker on it
+    deferred: FirstToken | None = None
 
 
 class PrefillWorker(WorkerBase):
@@ -111,7 +115,9 @@ class PrefillWorker(WorkerBase):
             if job is None:
                 return False
             self._set_destination(job, reservation)
-            if job.request.status is RequestStatus.SENDING_KV:
+            if job.deferred is not None:
+                _put(job, job.deferred)
+                job.deferred = None
                 self._ship_computed(job)
             return True
 
@@ -209,10 +215,16 @@ class PrefillWorker(WorkerBase):
                 continue
             req = job.request
             stop = req.check_stop()
-            _put(job, FirstToken(req.request_id, req.output_token_ids[0],
-                                 None if stop is None else FINISH_REASONS[stop], req.num_cached_tokens,
-                                 job.scheduled_at, job.sampled_at, req.prefill_compute_s))
-            if job.transfer_opened_at is None and job.reservation is not None:  # nothing to send: done
+            first = FirstToken(req.request_id, req.output_token_ids[0], None if stop is None else FINISH_REASONS[stop],
+                               req.num_cached_tokens, job.scheduled_at, job.sampled_at, req.prefill_compute_s)
+            if job.reservation is None:  # computed ahead of its destination: both go out together
+                job.deferred = first
+                if not job.destination_asked:
+                    job.destination_asked = True
+                    _put(job, DestinationWanted(req.request_id))
+                continue
+            _put(job, first)
+            if job.transfer_opened_at is None:  # nothing to send: done as soon as sampled
                 self._finish(job, None)
 
     @staticmethod

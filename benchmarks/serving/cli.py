@@ -40,7 +40,8 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
                         help="start these layouts in turn and measure each: NpMd (N prefill + M decode workers) "
                              "or Nc (N colocated), optionally :round-robin, :separate (two-step placement) or "
                              ":local (local prefill), and :early (decode blocks reserved at placement, not as "
-                             "the prefill nears its end), e.g. 1p1d 2c 2p1d:round-robin 2p1d:local 2p1d:early")
+                             "the prefill nears its end), and :vllm (vLLM engines), e.g. 1p1d 2c 2p1d:round-robin 2p1d:local "
+                             "2p1d:early 1p1d:vllm")
     p.add_argument("--workload", nargs="+", default=["chat"],
                    help="chat, rag, agent, burst, or a .jsonl file of {\"prompt_len\", \"output_len\"} lines")
     load = p.add_mutually_exclusive_group()

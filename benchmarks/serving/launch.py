@@ -23,7 +23,7 @@ from typing import Any
 
 _SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin|separate|local))?"
                    r"(?::(?P<order>fair|fifo))?(?::chunk(?P<chunk>\d+))?(?::dchunk(?P<dchunk>\d+))?"
-                   r"(?P<early>:early)?$")
+                   r"(?P<early>:early)?(?P<vllm>:vllm)?$")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Layout:
     prefill_chunk_tokens: int | None = None  # the prefill workers' prompt tokens per step (None: the default)
     decode_prefill_chunk_tokens: int | None = None  # the decode workers' (None: the default)
     late_reservation: bool = True  # ":early": every prompt's decode blocks are reserved at placement
+    engine: str = "builtin"  # ":vllm": every worker runs an in-process vLLM engine
 
     @classmethod
     def parse(cls, spec: str) -> Layout:
@@ -48,13 +49,15 @@ class Layout:
                              "workers), optionally followed by :prefix, :round-robin, :separate or :local, "
                              "then optionally :fifo or :fair (the prompt order), then optionally :chunkN and "
                              ":dchunkN (the prefill and decode workers' prompt tokens per step), then optionally "
-                             ":early (decode blocks reserved at placement), e.g. 2p1d:round-robin, 2p1d:fifo, "
-                             "2p1d:chunk256, 2p1d:local:dchunk0, 2p1d:early")
+                             ":early (decode blocks reserved at placement), then optionally :vllm (vLLM "
+                             "engines), e.g. 2p1d:round-robin, 2p1d:fifo, 2p1d:chunk256, 2p1d:local:dchunk0, "
+                             "2p1d:early, 1p1d:vllm")
         routing, order = m["routing"] or "prefix", m["order"] or "fair"
         chunk, dchunk = (int(m[k]) if m[k] is not None else None for k in ("chunk", "dchunk"))
+        engine = "vllm" if m["vllm"] else "builtin"
         if m["c"] is not None:
-            return cls(0, 0, int(m["c"]), routing, order, chunk, dchunk, m["early"] is None)
-        return cls(int(m["p"]), int(m["d"]), 0, routing, order, chunk, dchunk, m["early"] is None)
+            return cls(0, 0, int(m["c"]), routing, order, chunk, dchunk, m["early"] is None, engine)
+        return cls(int(m["p"]), int(m["d"]), 0, routing, order, chunk, dchunk, m["early"] is None, engine)
 
     @property
     def num_workers(self) -> int:
@@ -68,7 +71,8 @@ class Layout:
         label = label if self.prefill_order == "fair" else f"{label}:{self.prefill_order}"
         label = label if self.prefill_chunk_tokens is None else f"{label}:chunk{self.prefill_chunk_tokens}"
         label = label if self.decode_prefill_chunk_tokens is None else f"{label}:dchunk{self.decode_prefill_chunk_tokens}"
-        return label if self.late_reservation else f"{label}:early"
+        label = label if self.late_reservation else f"{label}:early"
+        return label if self.engine == "builtin" else f"{label}:{self.engine}"
 
     @property
     def description(self) -> str:
@@ -82,6 +86,8 @@ class Layout:
                 order += f", {who} workers' prompt tokens per step: {n or 'the whole budget'}"
         if not self.late_reservation:
             order += ", decode blocks reserved at placement"
+        if self.engine != "builtin":
+            order += f", {self.engine} engines"
         if self.routing == "separate":
             return f"{what}, prefix routing, then the decode worker by node and free blocks{order}"
         if self.routing == "local":
@@ -101,7 +107,7 @@ class Layout:
                            colocated_workers=self.colocated_workers, routing=routing,
                            placement="separate" if self.routing == "separate" else "joint",
                            local_prefill=self.routing == "local", prefill_order=self.prefill_order,
-                           late_reservation=self.late_reservation, **options)
+                           late_reservation=self.late_reservation, engine=self.engine, **options)
 
 
 class LocalDeployment:

@@ -30,6 +30,9 @@ PROMPTS = [
     "Here is a story about a lighthouse keeper. " + "The waves rolled in and the lamp turned slowly. " * 14
     + "One night, a ship",
     "Summarise: " + "Rivers carry water from the mountains to the sea, shaping valleys as they go. " * 22,
+    # past the prefill worker's destination horizon (512 tokens): its decode blocks are reserved late, after
+    # vLLM computed the whole prompt in one step, so its first token waits for them (`_Job.deferred`)
+    "Describe the harbour: " + "Boats rocked by the pier while gulls circled over the fish market. " * 48,
     "Q: What is 12 plus 30?\nA:",
     "Translate to French: good morning, my friend.",
 ]
@@ -58,30 +61,36 @@ def test_a_missing_vllm_is_named_with_its_install_command():
         create_engine(EngineConfig(model="tiny-random", backend="vllm", cache=CacheConfig(128)))
 
 
-@pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
+def hf_greedy(path, prompts: list[str], max_tokens: int) -> list[list[int]]:
     """Greedy tokens from Hugging Face transformers on the same weights (the independent reference)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.hub import resolve_model
-
-    path = resolve_model("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outs = []
     with torch.no_grad():
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ids = tok(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=tok.eos_token_id)
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
             outs.append(out[0, ids.shape[1]:].tolist())
     return outs
 
 
 @pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    from engine.hub import resolve_model
+
+    return hf_greedy(resolve_model("smollm2-135m"), PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
 def server(ray_cluster):
-    with running_server(model="smollm2-135m", engine="vllm", prefill_workers=1, decode_workers=1) as s:
+    from protos.pdserve.v1 import admin_pb2_grpc
+
+    with running_server(model="smollm2-135m", engine="vllm", prefill_workers=1, decode_workers=2,
+                        verify_kv_moves=True) as s:
+        s.admin = admin_pb2_grpc.AdminStub(s.channel)
         yield s
 
 
@@ -174,22 +183,62 @@ def _tiny_model(root, family: str):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
 def test_other_model_families_through_disaggregation(ray_cluster, tmp_path, family):
     """Models the built-in engine cannot load, served 1P+1D over vLLM: greedy equal to transformers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = _tiny_model(tmp_path, family.replace("-", ""))
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [PROMPTS[0], PROMPTS[4]]  # one block, and three
-    want = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            want.append(model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                       pad_token_id=0)[0, ids.shape[1]:].tolist())
+    want = hf_greedy(path, prompts, 12)
     with running_server(model=str(path), engine="vllm", prefill_workers=1, decode_workers=1,
                         metrics_port=None, http_port=None) as s:
         for prompt, tokens in zip(prompts, want):
             responses = s.generate(greedy_request(prompt, 12, ignore_eos=True))
             assert token_ids(responses) == tokens, prompt
             assert responses[-1].timing.placement == "remote"
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_draining_a_vllm_decode_worker_moves_its_live_kv(server):
+    """A drained vLLM decode worker's sequences leave with their KV (held by the connector after their vLLM
+    request ends, read back in place, landed and loaded on the other decode worker): every stream goes on
+    token for token, the moved KV equals its source bit for bit, nothing is recomputed. Runs last: the pool
+    shrinks to one decode worker."""
+    import threading
+    import time
+
+    from engine.hub import resolve_model
+    from protos.pdserve.v1 import admin_pb2 as admin
+    from protos.pdserve.v1 import generation_pb2 as pb
+
+    prompts, n = PROMPTS[:4], 64
+    want = hf_greedy(resolve_model("smollm2-135m"), prompts, n)
+    results: dict[int, list] = {}
+    started = threading.Barrier(len(prompts) + 1)
+
+    def stream(i: int) -> None:
+        got = []
+        for k, res in enumerate(server.stub.Generate(greedy_request(prompts[i], n, ignore_eos=True), timeout=300)):
+            got.append(res)
+            if k == 1:
+                started.wait(120)
+        results[i] = got
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    started.wait(120)
+    decoders = [w for w in server.admin.ListWorkers(admin.ListWorkersRequest(), timeout=10).workers
+                if w.pool == pb.POOL_KIND_DECODE]
+    victim = max(decoders, key=lambda w: w.num_running).worker_id
+    out = server.admin.DrainWorker(admin.DrainWorkerRequest(worker_id=victim), timeout=300)
+    for t in threads:
+        t.join(300)
+    assert [token_ids(results[i]) for i in range(len(prompts))] == want
+    assert out.clean and out.moved_kv >= 1 and out.moved_recompute == 0, out
+    moves = [m for m in server.server.router.kv_moves if m.src == victim]
+    assert len(moves) == out.moved_kv
+    assert all(m.result.ok and m.src_digest == m.dst_digest is not None for m in moves), moves
+    deadline = time.monotonic() + 30
+    while victim in server.reports() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    reports = server.wait_idle()
+    assert victim not in reports
+    assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
