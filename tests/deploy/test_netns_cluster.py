@@ -1,6 +1,12 @@
 """pdserve on a real multi-node Ray cluster on this machine: nodes in network namespaces with their own
 addresses (`tests.cluster`), KV over veth links, a throttled link, a cut link.
 
+The default suite runs the cluster once for the addresses, greedy output across the nodes and a throttled
+link; `pytest -m soak tests/deploy/test_netns_cluster.py` runs the whole scenario, a cut link included (a
+160-token stream whose decode node's link is cut for 12 s, then the pool growing back). The default suite's
+other tests of a lost worker: SIGSTOP past the liveness timeout (tests/chaos) and a node leaving and
+joining (tests/deploy/test_two_node.py).
+
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2); CI runs as root.
 """
 
@@ -17,8 +23,8 @@ from tests.cluster import SUBNET, ClusterUnavailable, NetnsCluster, check_privil
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def observed() -> dict:
+def _observe(*phases: str) -> dict:
+    """Bring the cluster up, run the harness's phases on its head node, take the cluster down."""
     try:
         check_privileges()
     except ClusterUnavailable as e:
@@ -26,7 +32,7 @@ def observed() -> dict:
     cluster = NetnsCluster()
     try:
         cluster.up()
-        proc = cluster.popen("head", [sys.executable, "-m", "tests.deploy.netns_harness"],
+        proc = cluster.popen("head", [sys.executable, "-m", "tests.deploy.netns_harness", *phases],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         stdout, stderr = proc.communicate(timeout=900)
     finally:
@@ -35,10 +41,21 @@ def observed() -> dict:
     assert lines, f"harness failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
     out = json.loads(lines[-1].removeprefix("RESULT "))
     assert proc.returncode == 0 and "error" not in out, f"{out}\n{stderr[-5000:]}"
+    assert out["phases"] == list(phases), out["phases"]
     return out
 
 
-def test_every_node_and_worker_has_its_own_real_address(observed):
+@pytest.fixture(scope="module")
+def observed() -> dict:
+    return _observe("throttle")
+
+
+@pytest.fixture(scope="module")
+def observed_whole() -> dict:
+    return _observe("throttle", "cut")
+
+
+def check_addresses(observed: dict) -> None:
     ips = [f"{SUBNET}.{i}" for i in (10, 11, 12)]
     assert observed["ray_node_ips"] == ips
     assert observed["worker_ips"]["prefill-0"] == ips[0]
@@ -46,13 +63,13 @@ def test_every_node_and_worker_has_its_own_real_address(observed):
     assert observed["rendezvous_host"] == ips[0]  # the KV rendezvous listens on the head's own address
 
 
-def test_greedy_output_across_namespaces_equals_the_engine_and_the_kv_crossed_the_link(observed):
+def check_greedy_and_kv_over_the_link(observed: dict) -> None:
     assert observed["short_equal"] == [True, True]
     for c in observed["kv_crossed"]:
         assert c["kv_bytes"] > 0 and c["link_rx_bytes"] >= c["kv_bytes"], c
 
 
-def test_a_throttled_link_still_lands_bit_exact_and_the_metrics_see_the_lower_bandwidth(observed):
+def check_throttled_link(observed: dict) -> None:
     fast, slow = observed["unthrottled"], observed["throttled"]
     assert fast["equal"] and slow["equal"]
     assert slow["kv_bytes"] == fast["kv_bytes"] > 50e6
@@ -60,7 +77,7 @@ def test_a_throttled_link_still_lands_bit_exact_and_the_metrics_see_the_lower_ba
     assert fast["mbit_per_s"] > slow["mbit_per_s"], (fast, slow)
 
 
-def test_a_cut_link_migrates_the_stream_and_the_pool_recovers_with_nothing_held(observed):
+def check_cut_link(observed: dict) -> None:
     assert observed["cut_stream"] == "completed"
     assert observed["cut_stream_equal"] is True  # no duplicate, no missing token
     assert observed["migrations_decode_lost"] >= 1
@@ -68,3 +85,23 @@ def test_a_cut_link_migrates_the_stream_and_the_pool_recovers_with_nothing_held(
     assert observed["pool_back"] is True and len(observed["decode_workers_after"]) == 2
     assert observed["after_equal"] is True
     assert all(v == 0 for v in observed["held_after"].values()), observed["held_after"]
+
+
+def test_every_node_and_worker_has_its_own_real_address(observed):
+    check_addresses(observed)
+
+
+def test_greedy_output_across_namespaces_equals_the_engine_and_the_kv_crossed_the_link(observed):
+    check_greedy_and_kv_over_the_link(observed)
+
+
+def test_a_throttled_link_still_lands_bit_exact_and_the_metrics_see_the_lower_bandwidth(observed):
+    check_throttled_link(observed)
+
+
+@pytest.mark.soak
+def test_the_whole_scenario_and_a_cut_link_migrates_the_stream_and_the_pool_recovers(observed_whole):
+    check_addresses(observed_whole)
+    check_greedy_and_kv_over_the_link(observed_whole)
+    check_throttled_link(observed_whole)
+    check_cut_link(observed_whole)

@@ -16,15 +16,24 @@ PROMPTS = [
     "Every morning the dragon would",
 ]
 MAX_TOKENS = 24
+SPEC_PROMPTS = PROMPTS + [
+    "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    "Here it is again:\n",
+    "Quote it three times: 'the quick brown fox jumps over the lazy dog'. The quick",
+]
+SPEC_TOKENS = 32
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    llm = LLM("smollm2-135m", num_blocks=64)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return [o.token_ids for o in outs]
+def references() -> dict[str, list[list[int]]]:
+    """The engine's own greedy outputs, for the plain and the speculative tests: one model load for both
+    (no prefix caching, so the second set is computed as cold as the first)."""
+    llm = LLM("smollm2-135m", num_blocks=64, enable_prefix_caching=False)
+    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    spec = llm.generate(SPEC_PROMPTS, SamplingParams(max_tokens=SPEC_TOKENS, temperature=0))
+    return {"plain": [o.token_ids for o in plain], "spec": [o.token_ids for o in spec]}
 
 
 @pytest.mark.parametrize("layout", [
@@ -33,7 +42,8 @@ def reference() -> list[list[int]]:
     {"prefill_workers": 1, "decode_workers": 1, "local_prefill": True},
     {"prefill_workers": 0, "decode_workers": 0, "colocated_workers": 2},
 ], ids=["1P1D", "2P2D", "1P1D-local-prefill", "colocated"])
-def test_greedy_output_equals_the_engine_token_for_token(ray_cluster, reference, layout):
+def test_greedy_output_equals_the_engine_token_for_token(ray_cluster, references, layout):
+    reference = references["plain"]
     with running_server(model="smollm2-135m", num_blocks=128, **layout) as server:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrently, so the workers batch them
             results = list(pool.map(lambda p: server.generate(greedy_request(p, MAX_TOKENS)), PROMPTS))
@@ -54,24 +64,17 @@ def test_greedy_output_equals_the_engine_token_for_token(ray_cluster, reference,
         assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
 
 
-SPEC_PROMPTS = PROMPTS + [
-    "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
-    "Here it is again:\n",
-    "Quote it three times: 'the quick brown fox jumps over the lazy dog'. The quick",
-]
-
-
 @pytest.mark.parametrize("layout", [
     {"prefill_workers": 1, "decode_workers": 1},
     {"prefill_workers": 0, "decode_workers": 0, "colocated_workers": 1},
 ], ids=["1P1D", "colocated"])
-def test_speculative_greedy_output_equals_the_engine_and_is_counted(ray_cluster, layout):
-    llm = LLM("smollm2-135m", num_blocks=64)
-    want = [o.token_ids for o in llm.generate(SPEC_PROMPTS, SamplingParams(max_tokens=32, temperature=0))]
+def test_speculative_greedy_output_equals_the_engine_and_is_counted(ray_cluster, references, layout):
+    want = references["spec"]
     with running_server(model="smollm2-135m", num_blocks=128, speculative="ngram", num_speculative_tokens=4,
                         **layout) as server:
         # concurrently, so speculating sequences share steps with each other and with one that opted out
-        requests = [greedy_request(p, 32, disable_speculation=i == 0) for i, p in enumerate(SPEC_PROMPTS)]
+        requests = [greedy_request(p, SPEC_TOKENS, disable_speculation=i == 0)
+                    for i, p in enumerate(SPEC_PROMPTS)]
         with ThreadPoolExecutor(len(SPEC_PROMPTS)) as pool:
             results = list(pool.map(server.generate, requests))
         for prompt, ids, responses in zip(SPEC_PROMPTS, want, results):
