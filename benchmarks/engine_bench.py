@@ -101,6 +101,10 @@ class BenchConfig:
     spec_tokens: int = 128  # new tokens per speculation run
     spec_reps: int = 2
     num_speculative_tokens: int = 8
+    context_lens: tuple[int, ...] = (16, 256, 1024, 4096)  # decode at these contexts (tokens of prompt)
+    context_batches: tuple[int, ...] = (1, 8, 32)
+    context_max_tokens: int = 8 * 4096  # batch x context cap (HF prefills it in one padded batch)
+    context_steps: int = 8  # decode steps per context run
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -154,7 +158,8 @@ CHAT = [
 
 QUICK = BenchConfig(decode_batches=(1, 8), decode_tokens=16, decode_reps=2, mixed_requests=8,
                     mixed_prompt_len=(16, 128), mixed_output_len=(4, 24), prefill_lens=(128, 512),
-                    prefill_reps=1, spec_tokens=48, spec_reps=1)
+                    prefill_reps=1, spec_tokens=48, spec_reps=1, context_lens=(16, 1024), context_batches=(1, 8))
+SECTIONS = ("decode", "mixed", "prefill", "roofline", "spec", "context")
 
 
 @dataclass(frozen=True)
@@ -497,6 +502,58 @@ def bench_spec(cfg: BenchConfig, engine: LLMEngine, spec: LLMEngine) -> dict[str
     return results
 
 
+def context_cases(cfg: BenchConfig) -> list[tuple[int, int]]:
+    return [(b, n) for n in cfg.context_lens for b in cfg.context_batches if b * n <= cfg.context_max_tokens]
+
+
+def load_context_engine(cfg: BenchConfig) -> LLMEngine:
+    blocks = max(b * cdiv(n + cfg.context_steps + 1, BLOCK_SIZE) for b, n in context_cases(cfg))
+    return LLMEngine(EngineConfig(
+        model=MODEL, device="cpu", dtype="float32", num_threads=cfg.threads, seed=cfg.seed,
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks + 64),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=cfg.max_num_batched_tokens),
+    ))
+
+
+def bench_context(cfg: BenchConfig, hf: transformers.PreTrainedModel, rng: random.Random,
+                  vocab: int) -> dict[str, dict[str, float]]:
+    """Decode steps at long contexts: the engine with its paged kernel, the same engine with the kernel off
+    (blocks gathered per layer, then SDPA: the path before the kernel), and transformers, in turn per case.
+    Prompts of exactly `n` tokens, so every sequence of a batch decodes at the same context."""
+    engine = load_context_engine(cfg)
+    kernels = engine.runner.kernels
+    results = {}
+    for batch, n in context_cases(cfg):
+        prompts = [random_prompt(rng, n, vocab) for _ in range(batch)]
+        steps = cfg.context_steps
+        e = engine_decode_step(engine, prompts, steps)
+        engine.runner.kernels = None
+        g = engine_decode_step(engine, prompts, steps)  # a prefix-cache hit: only the decode is new work
+        engine.runner.kernels = kernels
+        h = hf_decode_step(hf, prompts, steps)
+        results[f"b{batch}_ctx{n}"] = {"batch": batch, "context": n, "engine_step_ms": e * 1e3,
+                                       "gather_step_ms": g * 1e3, "hf_step_ms": h * 1e3,
+                                       "engine_tok_s": batch / e, "gather_tok_s": batch / g, "hf_tok_s": batch / h}
+        progress(f"decode batch {batch} at {n} tokens: engine {e * 1e3:.1f} ms/step, kernel off "
+                 f"{g * 1e3:.1f}, HF {h * 1e3:.1f}" + ("" if kernels else " (no kernel: both engine columns gather)"))
+    return results
+
+
+def context_ratios(context: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per case: the engine against its own kernel-off path and against HF; per batch: the step at each
+    context over the step at the shortest."""
+    out = {}
+    for key, c in context.items():
+        out[f"decode_{key}_vs_gather"] = c["engine_tok_s"] / c["gather_tok_s"]
+        out[f"decode_{key}_vs_hf"] = c["engine_tok_s"] / c["hf_tok_s"]
+    for batch in sorted({c["batch"] for c in context.values()}):
+        cases = sorted((c for c in context.values() if c["batch"] == batch), key=lambda c: c["context"])
+        for c in cases[1:]:
+            out[f"decode_b{batch}_ctx{c['context']}_vs_ctx{cases[0]['context']}_step"] = (
+                c["engine_step_ms"] / cases[0]["engine_step_ms"])
+    return out
+
+
 def warm_up(engine: LLMEngine, hf: transformers.PreTrainedModel, rng: random.Random, vocab: int) -> None:
     """One-time costs (oneDNN kernel selection, first allocations) stay out of every measurement."""
     prompts = [random_prompt(rng, 40, vocab) for _ in range(2)]
@@ -504,7 +561,7 @@ def warm_up(engine: LLMEngine, hf: transformers.PreTrainedModel, rng: random.Ran
     hf_decode_step(hf, prompts, 4)
 
 
-def run(cfg: BenchConfig) -> dict:
+def run(cfg: BenchConfig, sections: Sequence[str] = SECTIONS) -> dict:
     torch.set_num_threads(cfg.threads)
     load_before = os.getloadavg()[0]
     progress(f"loading {MODEL} (fp32) into transformers and into the engine, {cfg.threads} threads")
@@ -518,23 +575,27 @@ def run(cfg: BenchConfig) -> dict:
     spec_engine = load_spec_engine(cfg, engine)
     run_paired([DecodeRun(spec_engine, [random_prompt(rng, 40, vocab)], 4)])  # warm up
 
-    decode = bench_decode(cfg, engine, hf, rng, vocab)
-    mixed_result = bench_mixed(cfg, engine, hf, mixed)
-    prefill = bench_prefill(cfg, engine, hf, rng, vocab)
-    roofline = bench_roofline(cfg, engine, rng, vocab)
-    spec = bench_spec(cfg, engine, spec_engine)
+    decode = bench_decode(cfg, engine, hf, rng, vocab) if "decode" in sections else {}
+    mixed_result = bench_mixed(cfg, engine, hf, mixed) if "mixed" in sections else {}
+    prefill = bench_prefill(cfg, engine, hf, rng, vocab) if "prefill" in sections else {}
+    roofline = bench_roofline(cfg, engine, rng, vocab) if "roofline" in sections else {}
+    spec = bench_spec(cfg, engine, spec_engine) if "spec" in sections else {}
+    del engine, spec_engine
+    context = bench_context(cfg, hf, rng, vocab) if "context" in sections else {}
     longest = prefill.get("2048")
     return {
-        "decode_b1_vs_hf": decode["1"]["engine_tok_s"] / decode["1"]["hf_tok_s"],
-        "mixed_throughput_vs_hf": mixed_result["engine_tok_s"] / mixed_result["hf_tok_s"],
+        "decode_b1_vs_hf": decode["1"]["engine_tok_s"] / decode["1"]["hf_tok_s"] if decode else None,
+        "mixed_throughput_vs_hf": mixed_result["engine_tok_s"] / mixed_result["hf_tok_s"] if mixed_result else None,
         "prefill_2048_vs_hf": longest["engine_tok_s"] / longest["hf_tok_s"] if longest else None,
-        "decode_b1_vs_roofline": roofline["engine_fraction"],
+        "decode_b1_vs_roofline": roofline["engine_fraction"] if roofline else None,
         **{f"spec_ngram_{k.split('_')[1]}_vs_plain" + ("" if k.startswith("repetition") else "_chat"): v["ratio"]
            for k, v in spec.items()},
+        **context_ratios(context),
         "model": MODEL, "dtype": "float32", "threads": cfg.threads, "torch": torch.__version__,
-        "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(),
+        "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(), "sections": list(sections),
         "transformers": transformers.__version__, "config": dataclasses.asdict(cfg),
         "decode": decode, "mixed": mixed_result, "prefill": prefill, "roofline": roofline, "speculation": spec,
+        "context": context,
     }
 
 
@@ -548,17 +609,22 @@ def table(r: dict) -> str:
 
     for batch, d in r["decode"].items():
         row(f"decode batch {batch} (tok/s)", d["engine_tok_s"], d["hf_tok_s"], "")
-    m = r["mixed"]
-    row(f"mixed {m['requests']} req (output tok/s)", m["engine_tok_s"], m["hf_tok_s"], "")
+    if m := r["mixed"]:
+        row(f"mixed {m['requests']} req (output tok/s)", m["engine_tok_s"], m["hf_tok_s"], "")
     for n, p in r["prefill"].items():
         row(f"prefill {n} (tok/s)", p["engine_tok_s"], p["hf_tok_s"], "")
-    f = r["roofline"]
-    rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s "
-                f"copy = {f['step_ms']:.1f} ms; engine batch 1 beside it {f['engine_step_ms']:.1f} ms = "
-                f"{100 * f['engine_fraction']:.0f}% of the roofline; its matmuls alone {f['matmuls_ms']:.1f} ms = "
-                f"{100 * f['matmuls_fraction']:.0f}%")
-    rows.append(f"mixed: HF in static batches of {m['hf_batch']}, engine {m['engine_s']:.1f}s vs HF "
-                f"{m['hf_s']:.1f}s for {m['output_tokens']} output tokens")
+    for c in r["context"].values():
+        row(f"decode b{c['batch']} ctx {c['context']} (tok/s)", c["engine_tok_s"], c["hf_tok_s"], "")
+        rows.append(f"{'':<30}kernel off {c['gather_tok_s']:.1f} tok/s: the kernel "
+                    f"{c['engine_tok_s'] / c['gather_tok_s']:.2f}x")
+    if f := r["roofline"]:
+        rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s "
+                    f"copy = {f['step_ms']:.1f} ms; engine batch 1 beside it {f['engine_step_ms']:.1f} ms = "
+                    f"{100 * f['engine_fraction']:.0f}% of the roofline; its matmuls alone "
+                    f"{f['matmuls_ms']:.1f} ms = {100 * f['matmuls_fraction']:.0f}%")
+    if m:
+        rows.append(f"mixed: HF in static batches of {m['hf_batch']}, engine {m['engine_s']:.1f}s vs HF "
+                    f"{m['hf_s']:.1f}s for {m['output_tokens']} output tokens")
     for name, v in r["speculation"].items():
         rows.append(f"speculation {name:<14} plain {v['plain_tok_s']:6.1f} tok/s, ngram {v['spec_tok_s']:6.1f} tok/s "
                     f"= {v['ratio']:.2f}x (acceptance {v['acceptance']:.2f}, {v['tokens_per_step']:.2f} tokens/step)")
@@ -575,11 +641,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default 2)")
     parser.add_argument("--hf-batch", type=int, default=None, help="HF's static batch in the mixed workload")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated parts to run (default all: {','.join(SECTIONS)})")
     args = parser.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"--sections: unknown {sorted(unknown)}; the sections are {', '.join(SECTIONS)}")
     cfg = dataclasses.replace(QUICK if args.quick else BenchConfig(), threads=args.threads)
     if args.hf_batch is not None:
         cfg = dataclasses.replace(cfg, hf_batch=args.hf_batch)
-    result = run(cfg)
+    result = run(cfg, sections)
     progress("done")
     print(json.dumps(result, indent=2) if args.json else table(result))
 

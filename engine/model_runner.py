@@ -6,8 +6,16 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention import DECODE_GROUP_SLACK, AttentionMetadata, DecodeGroup, SeqAttention
+from engine.attention import (
+    DECODE_GROUP_SLACK,
+    KERNEL_MAX_QUERY,
+    AttentionMetadata,
+    DecodeGroup,
+    KernelBatch,
+    SeqAttention,
+)
 from engine.config import cdiv
+from engine.kernels import cpu_kernels
 from engine.kv_cache import KVCache
 from engine.models.llama import LayerHook, LlamaForCausalLM
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -30,6 +38,8 @@ class ModelRunner:
         self.device = kv_cache.device
         # attention's gather scratch; grows to the largest step seen and is kept (see `_gather_kv`)
         self.workspace = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
+        # the paged kernel reads the cache in place; on other devices, or unbuilt, decode rows gather
+        self.kernels = cpu_kernels() if self.device.type == "cpu" else None
 
     def execute(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Logits [sum of chunk.num_logits, vocab] (float32), chunk by chunk: at each chunk's last token, and
@@ -46,6 +56,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         seqs: list[SeqAttention] = []
         decode_rows: list[tuple[int, ScheduledChunk]] = []
+        kernel_rows: list[tuple[int, ScheduledChunk]] = []
         for c in chunks:
             req, q_start = c.request, len(ids)
             ids += [req.token_at(p) for p in range(c.start, c.end - len(c.draft_token_ids))]
@@ -54,7 +65,9 @@ class ModelRunner:
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
             logits_indices += range(len(ids) - c.num_logits, len(ids))
-            if c.num_tokens == 1 and c.start > 0:
+            if self.kernels is not None and c.start > 0 and c.num_tokens <= KERNEL_MAX_QUERY:
+                kernel_rows.append((q_start, c))
+            elif c.num_tokens == 1 and c.start > 0:
                 decode_rows.append((q_start, c))
             else:
                 seqs.append(self._seq_attention(q_start, c))
@@ -69,6 +82,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             seqs=seqs,
             decode_groups=groups,
+            kernel=self._kernel_batch(kernel_rows),
             num_tokens=len(ids),
             workspace=self._workspace(max(gathered, default=0)),
         )
@@ -95,6 +109,14 @@ class ModelRunner:
             q_pos = torch.arange(c.start, c.end, device=self.device)
             mask = self._additive_mask(torch.arange(ctx, device=self.device)[None, :] > q_pos[:, None])
         return SeqAttention(q_start, c.num_tokens, fresh=False, block_table=table, ctx_len=ctx, mask=mask)
+
+    def _kernel_batch(self, rows: list[tuple[int, ScheduledChunk]]) -> KernelBatch | None:
+        if not rows or self.kernels is None:
+            return None
+        width = max(cdiv(c.end, self.block_size) for _, c in rows)
+        tables = [c.request.block_ids[:width] + [0] * (width - len(c.request.block_ids[:width])) for _, c in rows]
+        return KernelBatch(self.kernels, torch.tensor(tables, dtype=torch.int32),
+                           torch.tensor([(q, c.num_tokens, c.end) for q, c in rows], dtype=torch.int32))
 
     def _decode_groups(self, rows: list[tuple[int, ScheduledChunk]]) -> list[DecodeGroup]:
         rows = sorted(rows, key=lambda r: r[1].end)

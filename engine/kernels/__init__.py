@@ -1,0 +1,85 @@
+"""pdserve's compiled CPU kernels, built on this machine against the torch installed here.
+
+NOTE: built on first use with torch's own extension builder (g++ and ninja), not at `pip install` time: pip
+builds a package inside an isolated environment, and a `torch` requirement there resolves to whatever torch
+the index offers (a multi-GB CUDA build here), not the one the kernel will be loaded into. Built against the
+running torch, the kernel's ABI always matches. The build takes about a minute on 2 cores, once per
+machine, torch version and source (cached under `$PDSERVE_KERNEL_CACHE`, default
+`~/.cache/pdserve/kernels`); concurrent builds wait on torch's lock. Where it cannot be built (no compiler,
+`PDSERVE_KERNELS=0`), or off the CPU, attention takes its torch path and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import cast
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels"
+    return Path(root)
+
+
+def _cpu_flags() -> str:
+    """What `-march=native` compiled for: a kernel built on one CPU may not run on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _name() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return f"pdserve_kernels_{h.hexdigest()[:12]}"
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module (with `paged_attention`), or None where it cannot be had (reason logged)."""
+    if os.environ.get("PDSERVE_KERNELS", "1") == "0":
+        log.info("pdserve kernels off (PDSERVE_KERNELS=0): attention gathers blocks and calls SDPA")
+        return None
+    from torch.utils import cpp_extension
+
+    name = _name()
+    build = cache_dir() / name
+    build.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build.glob("*.so"))
+    if fresh:
+        print(f"pdserve: building the paged-attention kernel into {build} (once per machine and torch "
+              "version, about a minute)...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    try:
+        mod = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                                 extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure falls back, with its cause named
+        log.warning("pdserve's paged-attention kernel could not be built (%s: %s); attention gathers blocks "
+                    "and calls SDPA instead. Install g++ and ninja (pip install ninja) to build it, or set "
+                    "PDSERVE_KERNELS=0 to skip the attempt.", type(e).__name__, str(e).splitlines()[-1:])
+        return None
+    if fresh:
+        print(f"pdserve: built the paged-attention kernel in {time.monotonic() - t0:.0f} s", file=sys.stderr,
+              flush=True)
+    return cast(ModuleType, mod)

@@ -1,0 +1,246 @@
+// Attention over a paged KV cache, read in place: for every sequence, its query rows attend the keys and
+// values its block table points at, with no gathered copy of the context, no padding across sequences and
+// no mask tensor (positions past a row's own are skipped by arithmetic).
+//
+// Work is split into tasks of (sequence, partition of its context): every query row and head of the
+// sequence shares one pass over each key and value row (a token's KV heads lie together in its block), and
+// long contexts are cut into partitions so a batch of one still keeps every thread busy. A partition leaves its
+// unnormalised output with its running max and sum; a second pass merges a sequence's partitions (the
+// split-K rescaling of flash-decoding). Accumulation is in float32 whatever the cache's dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// NOTE: a finite "minus infinity": the file is built with -ffast-math (vectorised exp), which assumes no
+// infinities; exp(kMasked - m) is 0 for any real score m.
+constexpr float kMasked = -1e30f;
+
+// y += a * x
+template <int D>
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+  const int64_t len = D > 0 ? D : n;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) y[i] += a * x[i];
+}
+
+// NOTE: the next block's rows are asked for while this block's are used: blocks lie anywhere in the
+// cache, so the hardware prefetcher, which follows strides, cannot see the next one coming
+inline void prefetch_block(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
+}
+
+// D > 0: the head size, known at compile time (the loops unroll into registers); 0: `n` at run time
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  const int64_t len = D > 0 ? D : n;
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < len; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// A row of the cache as float32: the row itself for a float32 cache, else converted into `buf`.
+template <typename T>
+inline const float* as_float(const T* row, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
+    return buf;
+  }
+}
+
+struct Task {
+  int64_t seq, t0, t1;
+};
+
+template <typename T, int D>
+void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+         const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seqs,
+         double scale, int64_t partition) {
+  const int64_t num_heads = q.size(1), d = D > 0 ? D : q.size(2);
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  const int64_t group = num_heads / kv_heads;
+  partition = (partition + block_size - 1) / block_size * block_size;  // partitions start on a block
+  const int64_t num_seqs = seqs.size(0), table_width = block_tables.size(1);
+  const int32_t* info = seqs.data_ptr<int32_t>();  // [S, 3]: q_start, q_len, ctx_len
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  // one block's rows, all KV heads (contiguous in pdserve's own cache; in a strided view, the span)
+  const int64_t block_bytes = ((block_size - 1) * ks1 + (kv_heads - 1) * ks2 + d) * sizeof(T);
+
+  // a task is a partition of one sequence's context, every head: it reads each of its key and value rows
+  // (all KV heads of a token, contiguous in a block) once
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(num_seqs), num_parts(num_seqs);
+  int64_t max_rows = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t ctx = info[3 * s + 2];
+    num_parts[s] = std::max<int64_t>(1, (ctx + partition - 1) / partition);
+    first_task[s] = static_cast<int64_t>(tasks.size());
+    max_rows = std::max<int64_t>(max_rows, info[3 * s + 1] * num_heads);
+    for (int64_t p = 0; p < num_parts[s]; ++p)
+      tasks.push_back({s, p * partition, std::min(ctx, (p + 1) * partition)});
+  }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  // per task and query row: d accumulated values, the max and the sum (read where a sequence has partitions)
+  std::vector<float> partial(static_cast<size_t>(num_tasks * max_rows * (d + 2)));
+
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf, scores, acc, maxes, sums, row(d);
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& t = tasks[ti];
+      const int64_t q_start = info[3 * t.seq], q_len = info[3 * t.seq + 1], ctx = info[3 * t.seq + 2];
+      const int64_t rows = q_len * num_heads, len = t.t1 - t.t0;
+      const int32_t* table = tables + t.seq * table_width;
+      qbuf.resize(rows * d);
+      scores.resize(rows * len);
+      acc.assign(rows * d, 0.f);
+      maxes.assign(rows, kMasked);
+      sums.assign(rows, 0.f);
+      // row r = i * num_heads + head: query row q_start + i at position ctx - q_len + i; head reads KV head
+      // head / group (GQA)
+      for (int64_t i = 0; i < q_len; ++i)
+        for (int64_t hd = 0; hd < num_heads; ++hd) {
+          const T* src = qp + (q_start + i) * qs0 + hd * qs1;
+          float* dst = qbuf.data() + (i * num_heads + hd) * d;
+          for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<float>(src[x]) * static_cast<float>(scale);
+        }
+      for (int64_t b = t.t0; b < std::min(t.t1, t.t0 + 2 * block_size); b += block_size)
+        prefetch_block(kp + table[b / block_size] * ks0, block_bytes);
+      for (int64_t b0 = t.t0; b0 < t.t1; b0 += block_size) {  // partitions start on block boundaries
+        const int64_t block = table[b0 / block_size], n = std::min(block_size, t.t1 - b0);
+        // keys two blocks ahead; this block's values, for the value pass to find in L2
+        if (b0 + 2 * block_size < t.t1) prefetch_block(kp + table[b0 / block_size + 2] * ks0, block_bytes);
+        prefetch_block(vp + block * vs0, block_bytes);
+        for (int64_t off = 0; off < n; ++off) {
+          const int64_t pos = b0 + off;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            const float* key = as_float(kp + block * ks0 + off * ks1 + h * ks2, row.data(), d);
+            for (int64_t i = 0; i < q_len; ++i) {
+              const bool visible = pos <= ctx - q_len + i;
+              for (int64_t g = 0; g < group; ++g) {
+                const int64_t r = i * num_heads + h * group + g;
+                scores[r * len + (pos - t.t0)] = visible ? dot<D>(qbuf.data() + r * d, key, d) : kMasked;
+              }
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * len;
+        float m = kMasked;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < len; ++j) m = std::max(m, sr[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; ++j) {
+          sr[j] = std::exp(sr[j] - m);
+          sum += sr[j];
+        }
+        maxes[r] = m;
+        sums[r] = m == kMasked ? 0.f : sum;  // a partition wholly past the row's position adds nothing
+      }
+      for (int64_t b0 = t.t0; b0 < t.t1; b0 += block_size) {
+        const int64_t block = table[b0 / block_size], n = std::min(block_size, t.t1 - b0);
+        for (int64_t off = 0; off < n; ++off) {
+          const int64_t pos = b0 + off;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            const float* value = as_float(vp + block * vs0 + off * vs1 + h * vs2, row.data(), d);
+            for (int64_t i = 0; i < q_len; ++i)
+              for (int64_t g = 0; g < group; ++g) {
+                const int64_t r = i * num_heads + h * group + g;
+                const float p = scores[r * len + (pos - t.t0)];
+                if (p != 0.f) axpy<D>(acc.data() + r * d, p, value, d);
+              }
+          }
+        }
+      }
+      if (num_parts[t.seq] == 1) {
+        for (int64_t r = 0; r < rows; ++r) {
+          T* dst = op + (q_start + r / num_heads) * os0 + (r % num_heads) * os1;
+          const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+          for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(acc[r * d + x] * inv);
+        }
+      } else {
+        float* dst = partial.data() + ti * max_rows * (d + 2);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::copy(acc.data() + r * d, acc.data() + (r + 1) * d, dst + r * (d + 2));
+          dst[r * (d + 2) + d] = maxes[r];
+          dst[r * (d + 2) + d + 1] = sums[r];
+        }
+      }
+    }
+  });
+
+  // merge the partitions of each sequence that had more than one
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(d);
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t parts = num_parts[s];
+      if (parts == 1) continue;
+      const int64_t q_start = info[3 * s], rows = info[3 * s + 1] * num_heads, base = first_task[s];
+      for (int64_t r = 0; r < rows; ++r) {
+        float m = kMasked;
+        for (int64_t p = 0; p < parts; ++p)
+          m = std::max(m, partial[((base + p) * max_rows + r) * (d + 2) + d]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float sum = 0.f;
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* src = partial.data() + ((base + p) * max_rows + r) * (d + 2);
+          const float w = std::exp(src[d] - m);
+          sum += w * src[d + 1];
+          axpy<D>(acc.data(), w, src, d);
+        }
+        T* dst = op + (q_start + r / num_heads) * os0 + (r % num_heads) * os1;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(acc[x] * inv);
+      }
+    }
+  });
+}
+
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor seqs, double scale, int64_t partition) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: the CPU kernel got a tensor on ", q.device());
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "paged_attention: q and out are [tokens, heads, head_dim], the caches "
+              "[blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_attention: head_dim must be the innermost, contiguous dimension");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "paged_attention: q, out and the caches must share one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
+                  seqs.scalar_type() == torch::kInt32 && seqs.is_contiguous() && seqs.size(1) == 3,
+              "paged_attention: block_tables [S, W] and seqs [S, 3] are contiguous int32");
+  TORCH_CHECK(partition > 0, "paged_attention: partition must be positive");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    switch (q.size(2)) {
+      case 64: return run<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+      case 128: return run<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+      default: return run<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "out[q rows of each sequence] = softmax(q k^T * scale) v over the sequence's blocks, in place");
+}

@@ -1,0 +1,166 @@
+"""The paged-attention kernel (`engine/kernels`) against SDPA, and the engine over it against transformers.
+
+SDPA is the reference: for each sequence its blocks are gathered by index into a dense context, and
+`F.scaled_dot_product_attention` runs in float32 with a causal-from-the-end mask. The kernel reads the
+same blocks where they lie.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import KERNEL_PARTITION
+from engine.config import cdiv
+from engine.kernels import cpu_kernels
+from engine.model_runner import ModelRunner
+from tests.engine.helpers import greedy, make_engine, rel_err, run_capturing_logits
+
+KERNELS = cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the paged-attention kernel could not be built here")
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+              seqs: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for (q_start, q_len, ctx), table in zip(seqs.tolist(), tables):
+        blocks = table[:cdiv(ctx, k_cache.shape[1])].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)[None].float()  # [1, kv_heads, ctx, d]
+        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)[None].float()
+        qs = q[q_start:q_start + q_len].transpose(0, 1)[None].float()
+        visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+        out[q_start:q_start + q_len] = o[0].transpose(0, 1)
+    return out
+
+
+def random_batch(rng: random.Random, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                 contexts: list[int], q_lens: list[int], dtype: torch.dtype):
+    """Sequences whose blocks are scattered through a cache with spare blocks; q is a view into a wider
+    tensor (as the model's q is a slice of its fused qkv)."""
+    widths = [cdiv(c, block_size) for c in contexts]
+    num_blocks = sum(widths) + 7
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = torch.zeros(len(contexts), max(widths), dtype=torch.int32)
+    for i, w in enumerate(widths):
+        tables[i, :w] = torch.tensor([ids.pop() for _ in range(w)])
+    rows = sum(q_lens)
+    q = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)[:, :heads]
+    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    seqs = torch.tensor(list(zip(starts, q_lens, contexts)), dtype=torch.int32)
+    return q, k_cache, v_cache, tables, seqs
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),  # SmolLM2-135M: GQA 3
+    (8, 8, 32, 16),  # MHA
+    (8, 1, 128, 32),  # MQA, wide heads
+    (4, 2, 16, 1),  # a token per block
+    (12, 4, 64, 128),  # vLLM's CPU block size
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_sdpa_on_random_shapes(heads, kv_heads, head_dim, block_size, dtype):
+    rng = random.Random(hash((heads, kv_heads, head_dim, block_size, str(dtype))) & 0xFFFF)
+    # contexts at, just past and well across block and partition boundaries; decode rows and short chunks
+    contexts = [1, block_size, block_size + 1, KERNEL_PARTITION, KERNEL_PARTITION + 1,
+                3 * KERNEL_PARTITION - 5, rng.randrange(2, 900)]
+    q_lens = [1, 1, 2, 1, 5, 8, 1]
+    q, k_cache, v_cache, tables, seqs = random_batch(rng, heads, kv_heads, head_dim, block_size,
+                                                     contexts, [min(n, c) for n, c in zip(q_lens, contexts)],
+                                                     dtype)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    scale = head_dim ** -0.5
+    KERNELS.paged_attention(out, q, k_cache, v_cache, tables, seqs, scale, KERNEL_PARTITION)
+    want = reference(q, k_cache, v_cache, tables, seqs, scale)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (8 bits of mantissa)
+    assert not out.isnan().any(), "a row was left unwritten"
+    assert (out.float() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+
+
+def test_kernel_refuses_mismatched_inputs_naming_them():
+    q, k_cache, v_cache, tables, seqs = random_batch(random.Random(0), 4, 2, 16, 16, [20], [1], torch.float32)
+    out = torch.empty(q.shape)
+    with pytest.raises(RuntimeError, match="int32"):
+        KERNELS.paged_attention(out, q, k_cache, v_cache, tables.long(), seqs, 0.25, KERNEL_PARTITION)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        KERNELS.paged_attention(out, q, k_cache.double(), v_cache, tables, seqs, 0.25, KERNEL_PARTITION)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        KERNELS.paged_attention(out[:, :3], q[:, :3], k_cache, v_cache, tables, seqs, 0.25, KERNEL_PARTITION)
+
+
+def test_engine_decodes_through_the_kernel_and_matches_the_gathering_path():
+    """The same requests, one engine with the kernel and one with it off: the kernel is used (a decode
+    step's metadata carries it) and the logits agree with the grouped gather + SDPA path."""
+    prompts = [[(5 * i + j) % 250 + 3 for i in range(n)] for j, n in enumerate((7, 40, 300, 33))]
+    fast, plain = make_engine(max_num_batched_tokens=512), make_engine(max_num_batched_tokens=512)
+    plain.runner.kernels = None
+    seen: list[bool] = []
+    prepare = fast.runner.prepare
+
+    def spy(chunks):
+        inputs = prepare(chunks)
+        seen.append(inputs.meta.kernel is not None)
+        return inputs
+
+    fast.runner.prepare = spy  # type: ignore[method-assign]
+    for engine in (fast, plain):
+        for p in prompts:
+            engine.add_request(p, greedy(10, ignore_eos=True))
+    ours, theirs = run_capturing_logits(fast), run_capturing_logits(plain)
+    assert any(seen) and isinstance(fast.runner, ModelRunner)
+    for rid in ours:
+        for a, b in zip(ours[rid], theirs[rid], strict=True):
+            assert rel_err(a, b) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from engine.hub import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    return LLM("smollm2-135m", num_blocks=400, dtype="float32", device="cpu",
+               max_num_batched_tokens=2048).engine, hf
+
+
+def _decode_against_hf(engine, hf, contexts: list[int], steps: int) -> None:
+    """Prompts of the given lengths decoded together (the kernel's batch); every step's logits against
+    transformers run alone on each sequence with its own KV cache."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in contexts]
+    reqs = [engine.add_request(p, greedy(steps, ignore_eos=True)) for p in prompts]
+    got = run_capturing_logits(engine)
+    for prompt, req in zip(prompts, reqs):
+        tokens = prompt + req.output_token_ids
+        with torch.no_grad():
+            out = hf(torch.tensor([prompt]), use_cache=True)
+            ref = [out.logits[0, -1].float()]
+            past = out.past_key_values
+            for t in tokens[len(prompt):len(prompt) + steps - 1]:
+                out = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                ref.append(out.logits[0, -1].float())
+        for i, (a, b) in enumerate(zip(got[req.request_id], ref, strict=True)):
+            assert rel_err(a, b) <= 1e-4, f"context {len(prompt)}, step {i}: relative error {rel_err(a, b):.2e}"
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_hf_decoding_at_16_256_and_1024_tokens_of_context(smollm2):
+    _decode_against_hf(*smollm2, [16, 256, 1024], steps=4)
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+def test_smollm2_logits_match_hf_decoding_at_4096_tokens_of_context(smollm2):
+    _decode_against_hf(*smollm2, [4096, 300], steps=3)
