@@ -37,3 +37,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionstart(session):
+    # NOTE: the paged-attention kernel is built here, once, before any test starts a worker: a worker
+    # SIGKILLed by a chaos test while it held torch's build lock would leave every later worker waiting on it
+    from engine.kernels import cpu_kernels
+
+    cpu_kernels()
