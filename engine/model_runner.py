@@ -113,8 +113,7 @@ class ModelRunner:
     def _kernel_batch(self, rows: list[tuple[int, ScheduledChunk]]) -> KernelBatch | None:
         if not rows or self.kernels is None:
             return None
-        width = max(cdiv(c.end, self.block_size) for _, c in rows)
-        tables = [c.request.block_ids[:width] + [0] * (width - len(c.request.block_ids[:width])) for _, c in rows]
+        tables = _padded_tables(rows, max(cdiv(c.end, self.block_size) for _, c in rows))
         return KernelBatch(self.kernels, torch.tensor(tables, dtype=torch.int32),
                            torch.tensor([(q, c.num_tokens, c.end) for q, c in rows], dtype=torch.int32))
 
@@ -132,8 +131,7 @@ class ModelRunner:
         bs = self.block_size
         ctx = [c.end for _, c in rows]
         width = cdiv(max(ctx), bs)
-        tables = [c.request.block_ids[:width] + [0] * (width - len(c.request.block_ids[:width]))
-                  for _, c in rows]
+        tables = _padded_tables(rows, width)
         dev = self.device
         lens = torch.tensor(ctx, device=dev)
         padding = torch.arange(width * bs, device=dev)[None, :] >= lens[:, None]  # [B, L]
@@ -145,3 +143,8 @@ class ModelRunner:
         """0 where attention may look, -inf where `hidden`, in the model dtype."""
         mask = torch.zeros(hidden.shape, dtype=self.kv_cache.spec.dtype, device=self.device)
         return mask.masked_fill_(hidden, float("-inf"))
+
+
+def _padded_tables(rows: list[tuple[int, ScheduledChunk]], width: int) -> list[list[int]]:
+    """Each row's first `width` block ids, padded with block 0 past its own (never read: past its context)."""
+    return [c.request.block_ids[:width] + [0] * (width - len(c.request.block_ids[:width])) for _, c in rows]
