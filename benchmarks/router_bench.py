@@ -178,7 +178,7 @@ def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | Non
         from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
         from router.metrics import Metrics
         from router.placement import PoolKind
-        from router.pool import WorkerRegistry, make_worker
+        from router.registry import WorkerRegistry, make_worker
         from router.router import Router, RouterConfig
         from router.servicer import GenerationServicer
         from router.validation import Limits

@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from protocol import Method, PoolKind
-from router.pool import PoolManager, Worker
+from router.pool import PoolManager
+from router.registry import Worker
 from router.router import Router
 
 logger = logging.getLogger(__name__)

@@ -253,7 +253,7 @@ def stop(args: argparse.Namespace) -> int:
         print(f"pdserve stop: {e}", file=sys.stderr)
         return 1
     print(f"pdserve stop: the deployment on port {args.port} stopped (its lead: "
-          f"{'router replica ' + lead if lead else 'the serve process'})", file=sys.stderr)
+          f"{'the serve process' if lead is None else 'router replica ' + lead})", file=sys.stderr)
     return 0
 
 

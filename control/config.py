@@ -18,6 +18,7 @@ from engine.config import (
 )
 from protocol import PoolKind
 from protocol.kv_config import KVTransferConfig
+from protocol.messages import RouterId
 from router.cost_model import CostPriors
 from router.pool import PoolSpec
 from router.router import RouterConfig
@@ -195,7 +196,7 @@ class ServeConfig:
         return TLSConfig(Path(self.tls_cert), Path(self.tls_key),
                          Path(self.tls_client_ca) if self.tls_client_ca else None)
 
-    def router_config(self, router_id: str = "") -> RouterConfig:
+    def router_config(self, router_id: RouterId = None) -> RouterConfig:
         return RouterConfig(self.kv_block_size, self.routing, self.max_queue, self.admission_timeout_s,
                             self.max_queued_prefill_tokens, self.migration_limit,
                             call_timeout_s=self.worker_timeout, verify_kv_moves=self.verify_kv_moves,

@@ -12,13 +12,14 @@ from control.admin import PoolAdmin
 from control.admin_servicer import AdminServicer, ForwardingAdminServicer
 from control.config import ServeConfig
 from control.mailbox import named
-from control.messages import LeadClaim, PoolWorker, ReplicaProcess, ReplicaView, WorkerView
+from control.messages import LeadClaim, ReplicaProcess, ReplicaView, WorkerView
 from control.replica_set import ReplicaSet
 from control.server import Server, log
 from control.shared import Shared
-from protocol import Method, PoolKind
+from protocol import Method
 from protocol.messages import WorkerInfo
-from router.pool import LivenessConfig, PoolManager, Worker, WorkerRegistry
+from router.pool import LivenessConfig, PoolManager
+from router.registry import Worker, WorkerRegistry
 from router.router import Router
 from router.worker_client import RayWorkerClient, WorkerError
 
@@ -42,7 +43,7 @@ class FollowerServer(Server):
         self.reports_pools = False  # pool sizes are the lead's to report
         # every worker the lead told of and has not declared lost (adopted once the router exists; again after
         # this replica lost touch with one)
-        self._known: dict[str, PoolWorker] = {}
+        self._known: dict[str, WorkerInfo] = {}
         self._lost: set[str] = set()  # workers the lead declared lost
         self._readopts: set[asyncio.Task] = set()
 
@@ -69,7 +70,7 @@ class FollowerServer(Server):
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
                                  cache_cursor=self.router.cache_cursor, max_workers=c.max_pool_size)
         for known in list(self._known.values()):
-            self.add_worker(known.info, known.kind)
+            self.add_worker(known)
         if self.shared.failover:
             self._tasks.append(asyncio.ensure_future(self._watch_lead()))
 
@@ -94,8 +95,8 @@ class FollowerServer(Server):
         them (at the old lead's targets), frees what the old lead's requests held, serves the Admin API,
         watches the other replicas and starts a new one in the old lead's place."""
         c = self.config
-        log(f"router replica {self.index} ({self.router_id}): the lead "
-            f"({claim.old_router_id or 'the serve process'}) is silent; taking the pools over")
+        old_lead = "the serve process" if claim.old_router_id is None else claim.old_router_id
+        log(f"router replica {self.index} ({self.router_id}): the lead ({old_lead}) is silent; taking the pools over")
         self.leading = True
         self.reports_pools = True
         self.registry.kill_on_loss = True
@@ -123,11 +124,11 @@ class FollowerServer(Server):
         # NOTE: a detached actor lives until killed: this replica's own actor is the last thing left of it
         ray.kill(ray.get_runtime_context().current_actor)
 
-    def add_worker(self, info: WorkerInfo, kind: PoolKind) -> None:
+    def add_worker(self, info: WorkerInfo) -> None:
         """The lead started a worker (or had it when this replica started): adopt it, found by name."""
         if info.worker_id in self._lost:
             return
-        self._known[info.worker_id] = PoolWorker(info, kind)
+        self._known[info.worker_id] = info
         if self.router is None:
             return
         try:
@@ -135,7 +136,7 @@ class FollowerServer(Server):
         except ValueError:
             logger.warning("worker %s is gone already; the lead will say so", info.worker_id)
             return
-        self.pools.adopt(info, RayWorkerClient(info.worker_id, actor, self.router_id), kind)
+        self.pools.adopt(info, RayWorkerClient(info.worker_id, actor, self.router_id))
 
     def _on_lost(self, worker: Worker, why: str) -> None:
         """This replica lost touch with a worker (its step stream broke, a call found it gone): its own
@@ -157,7 +158,7 @@ class FollowerServer(Server):
         known = self._known.get(worker.worker_id)
         if known is not None:
             logger.info("taking %s back after losing touch with it", worker.worker_id)
-            self.add_worker(known.info, known.kind)
+            self.add_worker(known)
 
     def lose_worker(self, worker_id: str, why: str) -> None:
         self._lost.add(worker_id)
@@ -181,9 +182,9 @@ class RouterReplica:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.server = FollowerServer(config, index, router_id, shared)
 
-    async def start(self, workers: list[PoolWorker]) -> ReplicaProcess:
-        for worker in workers:
-            self.server.add_worker(worker.info, worker.kind)
+    async def start(self, workers: list[WorkerInfo]) -> ReplicaProcess:
+        for info in workers:
+            self.server.add_worker(info)
         await self.server.start()
         return await self.describe_process()
 
@@ -194,8 +195,8 @@ class RouterReplica:
         return ReplicaProcess(os.getpid(), ray.get_runtime_context().get_node_id(), self.server.port,
                               self.server.metrics_port, self.server.http_port)
 
-    async def add_worker(self, info: WorkerInfo, kind: PoolKind) -> None:
-        self.server.add_worker(info, kind)
+    async def add_worker(self, info: WorkerInfo) -> None:
+        self.server.add_worker(info)
 
     async def lose_worker(self, worker_id: str, why: str) -> None:
         self.server.lose_worker(worker_id, why)

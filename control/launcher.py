@@ -13,11 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol import PoolKind
+from protocol.messages import RouterId
 from router.pool import Launcher, PoolSpec
 from router.worker_client import RayWorkerClient, WorkerClient
 
 
-def ray_launcher(kv_config: Any, lease_s: float, router_id: str = "",
+def ray_launcher(kv_config: Any, lease_s: float, router_id: RouterId = None,
                  detached_name: Callable[[str], tuple[str, str]] | None = None,
                  on_launch: Callable[[str, Any], None] = lambda worker_id, actor: None) -> Launcher:
     """Start workers as Ray actors: `PrefillWorker` or `DecodeWorker` (colocated: no KV transport).

@@ -13,6 +13,7 @@ from control.admin_servicer import Answer
 from control.messages import LeadClaim, LeadInfo, ProcessInfo
 from control.processes import this_node
 from protocol import PoolKind
+from protocol.messages import RouterId
 
 MAILBOX_NAMESPACE = "pdserve"
 
@@ -38,9 +39,9 @@ class AdminMailbox:
     def __init__(self) -> None:
         self._inbox: asyncio.Queue[tuple[int, str, bytes]] = asyncio.Queue()
         self._answers: dict[int, asyncio.Future] = {}
-        self._handed: dict[int, str] = {}  # forwarded calls a lead took and has not answered: id -> lead id
+        self._handed: dict[int, RouterId] = {}  # forwarded calls a lead took and has not answered: id -> lead id
         self._ids = itertools.count()
-        self._lead: tuple[str, int] = ("", 0)  # the lead's router id and replica index ("", 0: the serve process)
+        self._lead: tuple[RouterId, int] = (None, 0)  # the lead's router id and replica index (None, 0: the serve process)
         self._beat = time.monotonic()
         self._targets: dict[PoolKind, int] = {}  # the lead's pool targets
         self._replicas: dict[int, str] = {}  # index -> router id of every replica but the lead
@@ -61,7 +62,7 @@ class AdminMailbox:
             self._answers.pop(n, None)
             self._handed.pop(n, None)
 
-    async def next(self, lead_id: str) -> tuple[int, str, bytes] | None:
+    async def next(self, lead_id: RouterId) -> tuple[int, str, bytes] | None:
         """The next forwarded call, for the lead `lead_id`; None when that is no longer the lead (a dead
         lead's poll can still be waiting here: the call goes back for the new lead)."""
         item = await self._inbox.get()
@@ -76,7 +77,7 @@ class AdminMailbox:
         if fut is not None and not fut.done():
             fut.set_result(answer)
 
-    async def beat(self, lead_id: str, targets: dict[PoolKind, int],
+    async def beat(self, lead_id: RouterId, targets: dict[PoolKind, int],
                    process: ProcessInfo | None = None) -> tuple[str, float]:
         """The lead is alive (`process`: see `processes.this_process`). Answers ("lead", 0),
         ("deposed", 0) when another replica has taken the pools over, or ("stop", grace) when an operator
@@ -123,7 +124,7 @@ class AdminMailbox:
         """A number no replica of this deployment had: router ids stay unique across leads."""
         return next(self._incarnations)
 
-    async def request_stop(self, grace_s: float) -> str:
+    async def request_stop(self, grace_s: float) -> RouterId:
         """`pdserve stop`: the lead drains every replica within `grace_s`, then stops the deployment."""
         self._stop_grace = grace_s
         return self._lead[0]
@@ -132,7 +133,7 @@ class AdminMailbox:
         """Who leads (router id, replica index, process) and the other replicas' ids, for operators and tests."""
         return LeadInfo(self._lead[0], self._lead[1], self._lead_process, dict(self._replicas))
 
-    async def restore(self, lead: tuple[str, int], targets: dict[PoolKind, int], replicas: dict[int, str],
+    async def restore(self, lead: tuple[RouterId, int], targets: dict[PoolKind, int], replicas: dict[int, str],
                       workers: list[str], incarnation: int) -> None:
         """A recreated mailbox (the old one died): what the lead knows, and ids from `incarnation` on."""
         self._lead, self._targets, self._replicas = lead, dict(targets), dict(replicas)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol import PoolKind
-from protocol.messages import WorkerInfo
+from protocol.messages import RouterId
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,10 @@ class ReplicaProcess:
 
 
 @dataclass(frozen=True)
-class PoolWorker:
-    """A worker the lead tells a replica of: what it said at start, and the pool it serves in."""
-
-    info: WorkerInfo
-    kind: PoolKind
-
-
-@dataclass(frozen=True)
 class LeadClaim:
     """What the replica that claimed the lead (`AdminMailbox.claim_lead`) needs to take the pools over."""
 
-    old_router_id: str  # "" : the serve process
+    old_router_id: RouterId  # None: the serve process
     old_index: int
     old_process: ProcessInfo | None  # None: the old lead never said (it beat without one)
     targets: dict[PoolKind, int]  # the old lead's pool targets
@@ -62,7 +54,7 @@ class LeadClaim:
 class LeadInfo:
     """Who leads (`AdminMailbox.describe`), for operators and tests."""
 
-    lead: str  # the lead's router id ("": the serve process)
+    lead: RouterId  # the lead's router id (None: the serve process)
     index: int
     process: ProcessInfo | None
     replicas: dict[int, str] = field(default_factory=dict)  # index -> router id of every other replica

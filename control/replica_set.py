@@ -45,12 +45,13 @@ from typing import Any
 
 from control.admin_servicer import run_forwarded
 from control.mailbox import MAILBOX_NAMESPACE, create_mailbox, kill_named, mailbox_name, named
-from control.messages import LeadClaim, PoolWorker, ReplicaEntry, ReplicaProcess
+from control.messages import LeadClaim, ReplicaEntry, ReplicaProcess
 from control.processes import fence, kill_process, this_node, this_process
 from control.server import ServeError, Server, log
 from protocol import Method, PoolKind
+from protocol.messages import RouterId
 from router.background import Background
-from router.pool import Worker
+from router.registry import Worker
 from router.worker_client import WorkerError
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ class ReplicaSet:
             name=lead.shared.name(f"router-{router_id}"), namespace=MAILBOX_NAMESPACE,
         ).remote(config, index, router_id, lead.shared)
         rep = self.replicas[index] = _Replica(index, router_id, actor)  # before `start`: it hears of changes
-        workers = [PoolWorker(w.info, w.kind) for w in lead.registry.live()]
+        workers = [w.info for w in lead.registry.live()]
         try:
             # NOTE: bounded: a replica created while Ray was ending a dead lead's job never started (Ray 2.60:
             # its creation finished, the start call never reached it); the retry starts another
@@ -230,7 +231,7 @@ class ReplicaSet:
         lead = self.lead
         mailbox = await create_mailbox(lead.shared.port)
         replicas = {r.index: r.router_id for r in self.replicas.values()}
-        seen = [int(rid.rsplit(".", 1)[1]) for rid in [*replicas.values(), lead.router_id] if "." in rid]
+        seen = [int(rid.rsplit(".", 1)[1]) for rid in [*replicas.values(), lead.router_id] if rid and "." in rid]
         await mailbox.restore.remote((lead.router_id, lead.index), targets, replicas, list(lead.registry.workers),
                                      max(seen, default=0) + 1)
         self.mailbox = mailbox
@@ -243,7 +244,7 @@ class ReplicaSet:
 
     def _tell_added(self, worker: Worker) -> None:
         for rep in self.replicas.values():
-            rep.actor.add_worker.remote(worker.info, worker.kind)
+            rep.actor.add_worker.remote(worker.info)
 
     def _tell_lost(self, worker: Worker, why: str) -> None:
         for rep in self.replicas.values():
@@ -289,7 +290,7 @@ class ReplicaSet:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    async def _release(self, worker: Worker, router_id: str) -> int:
+    async def _release(self, worker: Worker, router_id: RouterId) -> int:
         """Free a dead replica's attempts on one worker, retrying: a sequence left there would decode on to
         its max_tokens for nobody."""
         for attempt in range(RELEASE_TRIES):
@@ -362,9 +363,9 @@ class ReplicaSet:
 
 
 
-def stop_deployment(port: int, grace_s: float, wait_s: float = 60.0) -> str:
+def stop_deployment(port: int, grace_s: float, wait_s: float = 60.0) -> RouterId:
     """`pdserve stop`: ask the deployment with router replicas on `port` in the joined Ray cluster to drain
-    (up to `grace_s`) and stop, and wait until it has. Returns the lead's router id ("" for the serve
+    (up to `grace_s`) and stop, and wait until it has. Returns the lead's router id (None for the serve
     process). Its lead, whichever replica it is now, runs the stop on its next beat."""
     import ray
 

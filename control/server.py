@@ -22,13 +22,15 @@ from engine.hub import resolve_model
 from engine.model_files import model_limits
 from engine.tokenizer import Tokenizer
 from protocol.kv_config import KVTransferConfig
+from protocol.messages import RouterId
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.http_api import HttpDoor, HttpServer
 from router.metrics import Metrics, MetricsEndpoint
 from router.observer import RequestObserver
-from router.pool import LivenessConfig, PoolManager, WorkerRegistry
+from router.pool import LivenessConfig, PoolManager
+from router.registry import WorkerRegistry
 from router.router import Router
 from router.security import ApiKeyInterceptor, TLSConfig
 from router.servicer import GenerationServicer
@@ -63,7 +65,7 @@ class Server:
         self.replicas = None  # control.replica_set.ReplicaSet: the other router replicas (`--routers N`)
         self.reports_pools = True  # the lead reports pool sizes; other replicas only follow them
         self.leading = True  # holds the pools: starts, replaces and stops the workers
-        self.router_id = ""  # this router's attempt-key prefix ("": the serve process's)
+        self.router_id: RouterId = None  # this router's attempt-key prefix (None: the serve process, no prefix)
         self.index = 0  # its replica index (`--routers N`: its metrics' `router` label)
         # the KV rendezvous store's host actor, on this node (one router; replicas: `shared`'s, detached),
         # and where the store listens
@@ -293,7 +295,7 @@ class Server:
             with contextlib.suppress(Exception):
                 ray.kill(self.rendezvous)
         if self.shared is not None and self.leading:
-            await self.shared.close(keep=f"router-{self.router_id}")
+            await self.shared.close(keep=None if self.router_id is None else f"router-{self.router_id}")
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
 

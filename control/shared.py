@@ -81,9 +81,9 @@ class Shared:
         """`ray_launcher`'s on_launch: the mailbox learns of every worker before it is ready."""
         self.mailbox().register_worker.remote(worker_id)
 
-    async def close(self, keep: str) -> None:
+    async def close(self, keep: str | None) -> None:
         """After the workers: kill whatever the mailbox knows of (a worker or replica a dead lead was still
-        starting) but `keep` (the caller's own name), then the store (the workers held clients of it) and
+        starting) but `keep` (the caller's own name; None: the serve process, which has none), then the store (the workers held clients of it) and
         the mailbox."""
         import ray
 

@@ -46,6 +46,7 @@ from protocol.kinds import FinishReason, PoolKind
 from protocol.messages import (
     KVMoveResult,
     Reservation,
+    RouterId,
     StepOutput,
     TokenDelta,
     owner_of,
@@ -105,15 +106,15 @@ class DecodeWorker(WorkerBase):
         self.held: set[str] = set()  # sequences held for a move: backpressure's resume leaves them paused
         self.moves: dict[str, _Move] = {}  # by the destination's attempt key
         # each router replica's step stream, by its id ("" for a lone router): (its loop, its queue)
-        self._outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StepOutput]]] = {}
+        self._outboxes: dict[RouterId, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StepOutput]]] = {}
         # NOTE: steps produced before their router subscribes (a request can reach a fresh worker first)
         # wait here instead of being dropped: a dropped step is a missing token
         self._outbox_lock = threading.Lock()
-        self._early: dict[str, list[StepOutput]] = {}
-        self._released: set[str] = set()  # router replicas gone: their late tokens go nowhere
+        self._early: dict[RouterId, list[StepOutput]] = {}
+        self._released: set[RouterId] = set()  # router replicas gone: their late tokens go nowhere
         self._start_loop()
 
-    async def stream_steps(self, router_id: str = "") -> AsyncIterator[StepOutput]:
+    async def stream_steps(self, router_id: RouterId = None) -> AsyncIterator[StepOutput]:
         """One message per engine step, forever, carrying the tokens of the attempts router replica
         `router_id` owns (`owner_of` their keys) and the load. Each replica holds one such stream per worker;
         subscribing again replaces the replica's previous stream."""
@@ -284,7 +285,7 @@ class DecodeWorker(WorkerBase):
     def _attempt_keys(self) -> Iterable[str]:
         return {*self.pending, *self.engine.requests}
 
-    def _forget_router(self, router_id: str, final: bool) -> None:
+    def _forget_router(self, router_id: RouterId, final: bool) -> None:
         """`final`: the replica is gone (its clients' connections went with it): its steps go nowhere from now
         on; otherwise it lost its step stream and subscribes again."""
         with self._outbox_lock:

@@ -22,7 +22,7 @@ from engine.backend import EngineBackend, LayerHookFactory
 from engine.engine_loop import EngineLoop
 from engine.request import Request
 from protocol.kinds import PoolKind
-from protocol.messages import EngineLoad, Heartbeat, LoadReport, StepOutput, WorkerInfo, owner_of
+from protocol.messages import EngineLoad, Heartbeat, LoadReport, RouterId, StepOutput, WorkerInfo, owner_of
 from protocol.node import node_identity
 
 T = TypeVar("T")
@@ -71,7 +71,7 @@ class WorkerBase:
         """Free whatever the request holds here; a no-op for unknown or finished requests."""
         await self._on_loop(lambda: self._abort(request_id))
 
-    async def release_router(self, router_id: str, final: bool = True) -> int:
+    async def release_router(self, router_id: RouterId, final: bool = True) -> int:
         """End everything router replica `router_id`'s attempts hold here. `final`: the replica is gone;
         otherwise it lost touch with this worker and starts over. Returns how many attempts were ended."""
 
@@ -110,7 +110,7 @@ class WorkerBase:
         """Every attempt key this worker holds something for."""
         return list(self.engine.requests)
 
-    def _forget_router(self, router_id: str, final: bool) -> None:
+    def _forget_router(self, router_id: RouterId, final: bool) -> None:
         """`release_router`'s own bookkeeping before the router's attempts are ended (on the loop thread)."""
 
     def _abort(self, request_id: str, reason: str = "aborted by the router") -> None:

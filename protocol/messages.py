@@ -150,10 +150,15 @@ class LoadReport:
     full: bool = False
 
 
-def owner_of(key: str) -> str:
-    """The router replica that owns an attempt key: the part before "/" (empty for a lone router's keys)."""
+RouterId = str | None
+"""A router replica's id (`pdserve serve --routers N`), unique per incarnation; None: the lone router, whose
+attempt keys carry no owner."""
+
+
+def owner_of(key: str) -> RouterId:
+    """The router replica that owns an attempt key: the part before "/" (None for a lone router's keys)."""
     owner, sep, _ = key.partition("/")
-    return owner if sep else ""
+    return owner if sep else None
 
 
 @dataclass(frozen=True)

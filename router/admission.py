@@ -30,7 +30,7 @@ from protocol.block_hash import hash_blocks
 from protocol.messages import Reservation
 from router.lifecycle import Attempt, AttemptFailed, Phase
 from router.placement import PrefillChoice, RoundRobinPrefill, choose_decode, choose_path, choose_prefill
-from router.pool import Worker
+from router.registry import Worker
 from router.shared import RouterError, Shared
 from router.worker_client import WorkerError
 

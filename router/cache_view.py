@@ -7,7 +7,7 @@ changes do not start at this replica's cursor makes it read the worker's change 
 from __future__ import annotations
 
 from protocol.messages import LoadReport
-from router.pool import Worker
+from router.registry import Worker
 from router.shared import Shared
 from router.worker_client import WorkerError
 

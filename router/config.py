@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.messages import RouterId
 from router.cost_model import CostPriors
 
 __all__ = ["RouterConfig"]
@@ -42,7 +43,7 @@ class RouterConfig:
     # (a full read of its KV on both: a debugging and proof aid, off in production)
     verify_kv_moves: bool = False
     cost_priors: CostPriors = field(default_factory=CostPriors)  # the cost model's stand-ins (router.cost_model)
-    router_id: str = ""  # this replica's id among several (`pdserve serve --routers N`); unique per incarnation
+    router_id: RouterId = None  # this replica's among several (`pdserve serve --routers N`); None: a lone router
 
     def __post_init__(self) -> None:
         if self.policy not in ("prefix", "round-robin"):

@@ -26,7 +26,7 @@ from protocol import Cause, Method, PoolKind
 from protocol.messages import KVMoveResult
 from router.lifecycle import Attempt, MoveNotice, Phase, RequestState
 from router.placement import choose_decode
-from router.pool import Worker
+from router.registry import Worker
 from router.shared import Shared
 from router.worker_client import WorkerError
 

@@ -35,7 +35,7 @@ from protocol.messages import Reservation, TokenDelta
 from router.validation import ValidatedRequest
 
 if TYPE_CHECKING:
-    from router.pool import Worker
+    from router.registry import Worker
 
 
 class Phase(enum.IntEnum):

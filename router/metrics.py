@@ -43,7 +43,7 @@ from router.observer import RequestObserver
 if TYPE_CHECKING:
     from protocol.messages import KVMoveResult, LoadReport
     from router.cost_model import CostModel
-    from router.pool import Worker
+    from router.registry import Worker
     from router.router import RequestState, RouterEvent
     from router.validation import ValidatedRequest
 

@@ -1,11 +1,7 @@
-"""The worker pools: one registry of workers, and a manager that starts, watches and replaces them.
+"""The worker pools: a manager that starts, watches and replaces the workers of `router.registry`.
 
 Each worker is a Ray actor with one model replica, placed by its pool's resources (`{"CPU": 1}` here,
-`{"GPU": 1}` on a GPU cluster, or custom node resources). The router keeps a `Worker` per actor in one
-`WorkerRegistry`: its client, what it said about itself at start (`WorkerInfo`) and its last load snapshot
-(`WorkerLoad`, what placement weighs). A worker leaves the registry's live set exactly once, through
-`WorkerRegistry.lose`, whoever noticed first: its step stream ending, a call finding its actor dead, or the
-liveness watch declaring it dead.
+`{"GPU": 1}` on a GPU cluster, or custom node resources).
 
 Liveness (`PoolManager`): every `interval_s` each worker is pinged (answered by its actor thread) with a
 `worker_timeout_s` deadline. No answer in time, or an engine loop that has not moved for `worker_timeout_s`
@@ -16,9 +12,7 @@ A transient `ActorUnavailableError` is not death. Replacements that fail to star
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -30,7 +24,7 @@ from engine.config import EngineConfig
 from protocol import PoolKind
 from protocol.messages import CONTRACT, LoadReport, WorkerInfo
 from router.background import Background
-from router.placement import WorkerLoad
+from router.registry import Worker, WorkerRegistry, make_worker
 from router.worker_client import Failure, WorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -71,95 +65,6 @@ class LivenessConfig:
             raise ValueError(f"--worker-timeout must be > 0 seconds, got {self.worker_timeout_s}")
         if not 0 < self.interval_s < self.worker_timeout_s:
             raise ValueError(f"liveness interval_s must be in (0, worker_timeout_s), got {self.interval_s}")
-
-
-@dataclass(eq=False)  # one object per worker: compared and hashed by identity
-class Worker:
-    info: WorkerInfo
-    client: WorkerClient
-    load: WorkerLoad
-    inflight_prefill_tokens: int = 0  # prompt tokens sent to it and not yet answered (router's own count)
-    promised_blocks: int = 0  # a decode worker's blocks counted for prompts whose reservation comes later
-    draining: bool = False  # being taken out of service: placement skips it; it leaves once it holds nothing
-    moved: collections.Counter = field(default_factory=collections.Counter)  # sequences drained off, by Method
-    # a read of this worker's newer prefix-cache changes in flight, if any (`Router.apply_report`)
-    cache_read: asyncio.Task | None = field(default=None, repr=False)
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def kind(self) -> PoolKind:
-        return self.load.pool
-
-    @property
-    def alive(self) -> bool:
-        return self.load.alive
-
-    def snapshot(self) -> WorkerLoad:
-        """The load placement sees: the worker's report, plus prompts the router sent it since."""
-        return dataclasses.replace(
-            self.load, queued_prefill_tokens=max(self.load.queued_prefill_tokens, self.inflight_prefill_tokens))
-
-    def apply(self, report: LoadReport) -> None:
-        ld = report.load
-        self.load = dataclasses.replace(
-            self.load, num_running=ld.num_running, num_waiting=ld.num_waiting,
-            queued_prefill_tokens=ld.queued_prefill_tokens, free_blocks=min(ld.free_blocks, ld.total_blocks),
-            total_blocks=ld.total_blocks)
-
-
-def make_worker(info: WorkerInfo, client: WorkerClient, kind: PoolKind) -> Worker:
-    return Worker(info, client, WorkerLoad(info.worker_id, info.node_id, kind, free_blocks=info.num_blocks,
-                                           total_blocks=info.num_blocks))
-
-
-class WorkerRegistry:
-    """Every worker the deployment has had, by id; `lose` is the one way out of the live set."""
-
-    def __init__(self, kill_on_loss: bool = True) -> None:
-        """`kill_on_loss`: losing a worker kills it. A router replica that is not the lead only stops using a
-        worker it lost touch with: the workers are shared, and whether one is dead is the lead's call."""
-        self.workers: dict[str, Worker] = {}
-        self.kill_on_loss = kill_on_loss
-        self.on_added: list[Callable[[Worker], None]] = []
-        self.on_lost: list[Callable[[Worker, str], None]] = []
-
-    def add(self, worker: Worker) -> None:
-        old = self.workers.get(worker.worker_id)
-        assert old is None or (not old.alive and not self.kill_on_loss), f"worker id {worker.worker_id} reused"
-        self.workers[worker.worker_id] = worker
-        for cb in self.on_added:
-            cb(worker)
-
-    def lose(self, worker: Worker, why: str) -> bool:
-        """Kill the worker (a no-op if it is already dead; a stuck or cut-off one must do no more harm and
-        must free its node's resources for a replacement), mark it dead and tell every listener, once.
-        False if it was already lost."""
-        if not worker.alive:
-            return False
-        logger.log(logging.INFO if worker.draining else logging.ERROR, "worker %s on node %s %s: %s",
-                   worker.worker_id, worker.info.node_ip, "retired" if worker.draining else "lost", why)
-        if self.kill_on_loss:
-            try:
-                worker.client.kill()
-            except Exception as e:  # noqa: BLE001 - already gone is fine; it is lost either way
-                logger.warning("killing %s: %s", worker.worker_id, e)
-        worker.load = dataclasses.replace(worker.load, alive=False)
-        for cb in self.on_lost:
-            cb(worker, why)
-        return True
-
-    def live(self, kind: PoolKind | None = None) -> list[Worker]:
-        return [w for w in self.workers.values() if w.alive and (kind is None or w.kind is kind)]
-
-    def schedulable(self, kind: PoolKind | None = None) -> list[Worker]:
-        """Live workers that take new work: not draining."""
-        return [w for w in self.live(kind) if not w.draining]
-
-    def get(self, worker_id: str) -> Worker:
-        return self.workers[worker_id]
 
 
 Launcher = Callable[[PoolSpec, str], Awaitable[WorkerClient]]
@@ -264,14 +169,14 @@ class PoolManager:
                         task.cancel()
             await asyncio.sleep(self.liveness.interval_s)
 
-    def adopt(self, info: WorkerInfo, client: WorkerClient, kind: PoolKind) -> Worker:
+    def adopt(self, info: WorkerInfo, client: WorkerClient) -> Worker:
         """A following manager: take on a worker the lead started (again while it is live: a no-op; after this
         replica lost touch with it: a fresh start)."""
         assert self.follow, "adopt() is for a following manager: the lead starts its own workers"
         known = self.registry.workers.get(info.worker_id)
         if known is not None and known.alive:
             return known
-        worker = make_worker(info, client, kind)
+        worker = make_worker(info, client)
         self.registry.add(worker)
         self._background.spawn(self._watch(worker))
         return worker
@@ -347,6 +252,9 @@ class PoolManager:
                     f"worker {worker_id} runs other pdserve code than this router (protocol.messages "
                     f"{info.contract} against {CONTRACT}): a node with another image or version, or a checkout "
                     "changed under a running deployment. Run one build everywhere and restart the deployment")
+            if info.kind != spec.kind:
+                raise RuntimeError(f"worker {worker_id} was started for the {spec.kind.value} pool but serves as a "
+                                   f"{info.kind.value} worker: the launcher gave it the wrong role")
         except BaseException:
             if client is not None:
                 with contextlib.suppress(Exception):
@@ -354,7 +262,7 @@ class PoolManager:
             raise
         finally:
             self.pending[spec.kind] -= 1
-        worker = make_worker(info, client, spec.kind)
+        worker = make_worker(info, client)
         self.registry.add(worker)
         self._young[worker] = time.monotonic()
         self._background.spawn(self._watch(worker))

@@ -36,7 +36,7 @@ from router.config import RouterConfig
 from router.drains import Drains, KVMove
 from router.lifecycle import Attempt, AttemptFailed, Phase, RequestState, Timing
 from router.observer import RequestObserver
-from router.pool import Worker, WorkerRegistry
+from router.registry import Worker, WorkerRegistry
 from router.shared import RouterError, Shared
 from router.step_streams import StepStreams
 from router.validation import ValidatedRequest
@@ -80,7 +80,7 @@ class Router:
         self._ids = itertools.count(1)
         # NOTE: attempt keys carry their router replica (`protocol.messages.owner_of`): workers send each
         # replica only its own tokens, and free what a dead replica held
-        self._id_prefix = f"{config.router_id}/" if config.router_id else ""
+        self._id_prefix = "" if config.router_id is None else f"{config.router_id}/"
         self.draining = False
         # the parts' public faces, as the servicer, the pool manager and the admin API call them
         self.apply_report = self.cache.apply_report

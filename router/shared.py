@@ -19,8 +19,8 @@ from router.config import RouterConfig
 from router.cost_model import CostModel
 from router.lifecycle import Attempt, AttemptFailed
 from router.observer import RequestObserver
-from router.pool import Worker, WorkerRegistry
 from router.prefix_index import PrefixIndex
+from router.registry import Worker, WorkerRegistry
 from router.worker_client import Failure, WorkerError
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from protocol.messages import DestinationWanted, FirstToken, LoadReport, Prefill
 from router.admission import Admission
 from router.cache_view import CacheView
 from router.lifecycle import Attempt, AttemptFailed, MoveNotice, Notice, Phase, WorkerLostNotice
-from router.pool import Worker
+from router.registry import Worker
 from router.shared import Shared
 from router.worker_client import WorkerError
 

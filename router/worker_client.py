@@ -23,6 +23,7 @@ from protocol.messages import (
     LoadReport,
     PrefillResult,
     Reservation,
+    RouterId,
     StepOutput,
     WorkerInfo,
 )
@@ -128,7 +129,7 @@ class WorkerClient(ABC):
         with Failure.LOST)."""
 
     @abstractmethod
-    async def release_router(self, router_id: str, timeout: float, final: bool = True) -> int:
+    async def release_router(self, router_id: RouterId, timeout: float, final: bool = True) -> int:
         """Free what router replica `router_id`'s attempts hold on the worker: it is gone (`final`), or it
         lost its step stream and subscribes again."""
 
@@ -144,7 +145,7 @@ class WorkerClient(ABC):
 class RayWorkerClient(WorkerClient):
     """A worker that is a Ray actor (`PrefillWorker` or `DecodeWorker`)."""
 
-    def __init__(self, worker_id: str, actor: Any, router_id: str = "") -> None:
+    def __init__(self, worker_id: str, actor: Any, router_id: RouterId = None) -> None:
         self.worker_id = worker_id
         self.actor = actor
         self.router_id = router_id  # the router replica this client's step stream is for
@@ -219,7 +220,7 @@ class RayWorkerClient(WorkerClient):
             yield out
         raise WorkerError(self.worker_id, "step stream ended", Failure.ERROR)
 
-    async def release_router(self, router_id: str, timeout: float, final: bool = True) -> int:
+    async def release_router(self, router_id: RouterId, timeout: float, final: bool = True) -> int:
         return await self._call(self.actor.release_router.remote(router_id, final), timeout)
 
     async def _stream(self, refs, what: str) -> AsyncIterator[Any]:

@@ -13,7 +13,8 @@ import pytest
 from control.admin import AdminError, PoolAdmin
 from engine.config import EngineConfig
 from protocol import Method, PoolKind
-from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry
+from router.pool import LivenessConfig, PoolManager, PoolSpec
+from router.registry import WorkerRegistry
 from router.router import Router, RouterConfig
 from tests.router.fakes import BLOCK, FakeCluster, FakeWorker, reference
 

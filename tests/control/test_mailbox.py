@@ -13,7 +13,8 @@ from control.messages import LeadClaim, LeadInfo, ProcessInfo
 from engine.config import EngineConfig
 from protocol import PoolKind
 from protocol.messages import WorkerInfo
-from router.pool import PoolManager, PoolSpec, WorkerRegistry, make_worker
+from router.pool import PoolManager, PoolSpec
+from router.registry import WorkerRegistry, make_worker
 
 
 def run(coro):
@@ -24,17 +25,17 @@ def test_the_lead_is_claimed_only_after_its_silence_and_by_one_replica():
     async def scenario():
         box = AdminMailbox()
         lead = ProcessInfo(1, "node-a", b"pdserve")
-        assert await box.beat("", {PoolKind.PREFILL: 2}, lead) == ("lead", 0.0)
+        assert await box.beat(None, {PoolKind.PREFILL: 2}, lead) == ("lead", 0.0)
         assert await box.claim_lead("1.1", 1, silent_s=5.0) is None  # it just beat
         box._beat = time.monotonic() - 6  # silent for longer than --worker-timeout
         await box.register(2, "2.2")
         await box.register_worker("prefill-0")
         claim = await box.claim_lead("1.1", 1, silent_s=5.0)
-        assert claim == LeadClaim(old_router_id="", old_index=0, old_process=lead, targets={PoolKind.PREFILL: 2},
+        assert claim == LeadClaim(old_router_id=None, old_index=0, old_process=lead, targets={PoolKind.PREFILL: 2},
                                   replicas={2: "2.2"}, workers=("prefill-0",))
         assert await box.describe() == LeadInfo("1.1", 1, None, {2: "2.2"})  # the old lead's process is spent
         assert await box.claim_lead("2.2", 2, silent_s=5.0) is None  # the new lead's claim renewed the beat
-        assert await box.beat("", {}) == ("deposed", 0.0)  # the old lead, if it wakes up
+        assert await box.beat(None, {}) == ("deposed", 0.0)  # the old lead, if it wakes up
         assert await box.beat("1.1", {}) == ("lead", 0.0)
 
     run(scenario())
@@ -43,8 +44,8 @@ def test_the_lead_is_claimed_only_after_its_silence_and_by_one_replica():
 def test_a_stop_request_reaches_whoever_leads_but_a_closing_deployment_takes_no_new_lead():
     async def scenario():
         box = AdminMailbox()
-        assert await box.request_stop(7.0) == ""
-        assert await box.beat("", {}) == ("stop", 7.0)
+        assert await box.request_stop(7.0) is None
+        assert await box.beat(None, {}) == ("stop", 7.0)
         box._beat = time.monotonic() - 6  # the lead died before it acted: a replica still takes over ...
         assert await box.claim_lead("1.1", 1, silent_s=5.0) is not None
         assert await box.beat("1.1", {}) == ("stop", 7.0)  # ... and finds the request at its first beat
@@ -59,9 +60,9 @@ def test_a_call_the_dead_lead_took_fails_unavailable_and_a_stale_poll_hands_call
     async def scenario():
         box = AdminMailbox()
         taken = asyncio.ensure_future(box.call("ListWorkers", b"a"))
-        n, method, _ = await box.next("")  # the old lead takes it, then dies
+        n, method, _ = await box.next(None)  # the old lead takes it, then dies
         assert method == "ListWorkers"
-        stale = asyncio.ensure_future(box.next(""))  # its poll is still waiting
+        stale = asyncio.ensure_future(box.next(None))  # its poll is still waiting
         box._beat = time.monotonic() - 6
         await box.claim_lead("1.1", 1, silent_s=5.0)
         ok, (code, details) = await asyncio.wait_for(taken, 1)
@@ -93,7 +94,7 @@ def test_a_promoted_manager_numbers_new_workers_after_every_id_it_has_seen(ids, 
     registry = WorkerRegistry(kill_on_loss=False)
     for worker_id in ids:
         kind = worker_id.split("-")[0]
-        registry.add(make_worker(WorkerInfo(worker_id, PoolKind(kind), "n", "127.0.0.1", 16, 8), None, PoolKind(kind)))
+        registry.add(make_worker(WorkerInfo(worker_id, PoolKind(kind), "n", "127.0.0.1", 16, 8), None))
     engine = EngineConfig(model="tiny-random")
     specs = [PoolSpec(PoolKind.PREFILL, 1, engine), PoolSpec(PoolKind.DECODE, 1, engine)]
     pools = PoolManager(specs, registry, launch=None, follow=True)

@@ -8,7 +8,7 @@ from protocol.messages import EngineLoad, KVMoveResult, LoadReport, SpecCounts, 
 from router.cost_model import CostModel
 from router.metrics import Metrics
 from router.placement import WorkerLoad
-from router.pool import Worker
+from router.registry import Worker
 from router.router import RequestState, RouterEvent, Timing
 from router.validation import ValidatedRequest
 

@@ -29,7 +29,7 @@ from protocol.messages import (
     WorkerInfo,
     owner_of,
 )
-from router.pool import WorkerRegistry, make_worker
+from router.registry import WorkerRegistry, make_worker
 from router.router import Router, RouterConfig
 from router.validation import ValidatedRequest
 from router.worker_client import Failure, WorkerClient, WorkerError
@@ -376,7 +376,7 @@ class FakeCluster:
     def add(self, fake: FakeWorker) -> None:
         self.workers[fake.worker_id] = fake
         fake.peers = self.workers
-        self.registry.add(make_worker(fake.describe(), fake, fake.kind))
+        self.registry.add(make_worker(fake.describe(), fake))
 
     def __getitem__(self, worker_id: str) -> FakeWorker:
         return self.workers[worker_id]

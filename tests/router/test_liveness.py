@@ -11,7 +11,8 @@ import pytest
 from engine.config import EngineConfig
 from protocol import PoolKind
 from protocol.messages import Heartbeat
-from router.pool import LivenessConfig, PoolManager, PoolSpec, WorkerRegistry
+from router.pool import LivenessConfig, PoolManager, PoolSpec
+from router.registry import WorkerRegistry
 from router.worker_client import Failure, WorkerError
 from tests.router.fakes import FakeWorker, until
 
@@ -248,14 +249,14 @@ def test_a_following_manager_never_kills_or_declares_dead_and_can_take_a_worker_
 
         pools = PoolManager([spec], registry, no_launch, FAST, follow=True)
         fake = FakeWorker("decode-0", PoolKind.DECODE)
-        first = pools.adopt(fake.describe(), fake, PoolKind.DECODE)
-        assert pools.adopt(fake.describe(), fake, PoolKind.DECODE) is first  # again while live: a no-op
+        first = pools.adopt(fake.describe(), fake)
+        assert pools.adopt(fake.describe(), fake) is first  # again while live: a no-op
         fake.stall()  # no heartbeat: the lead's liveness would declare it dead; a follower waits
         await asyncio.sleep(FAST.worker_timeout_s * 3)
         assert first.alive and not fake.killed
         registry.lose(first, "its step stream broke")  # this replica lost touch with it
         assert not first.alive and not fake.killed
-        again = pools.adopt(fake.describe(), fake, PoolKind.DECODE)
+        again = pools.adopt(fake.describe(), fake)
         assert again is not first and again.alive and registry.get("decode-0") is again
         await pools.close()
 

@@ -88,7 +88,7 @@ class Steps:
     def __init__(self, worker: DecodeWorker) -> None:
         self.tokens: dict[str, list[int]] = {}
         self.ended: dict[str, asyncio.Future[TokenDelta]] = {}
-        self._stream: AsyncIterator[StepOutput] = worker.stream_steps("")
+        self._stream: AsyncIterator[StepOutput] = worker.stream_steps()
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     def done(self, rid: str) -> asyncio.Future[TokenDelta]:
