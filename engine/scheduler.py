@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.block_allocator import BlockAllocator
 from engine.config import SchedulerConfig, SpeculativeConfig, cdiv
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.spec_decode import NgramProposer
 from protocol.messages import SpecCounts
@@ -69,13 +70,12 @@ class Scheduler:
         self.speculative = speculative if speculative is not None else SpeculativeConfig()
         self.proposer = NgramProposer(self.speculative) if self.speculative.enabled else None
         self.spec_stats = SpecCounts()
-        self.allocator = allocator
+        self.kv = KVCacheManager(allocator, block_size)
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.paused: dict[str, Request] = {}  # running sequences held out of the batch (a slow reader)
-        self._num_committed: dict[str, int] = {}  # request id -> blocks registered in the prefix cache
         self._step = 0  # schedule() calls so far: the clock fair order ages prompts by
         self._arrival_step: dict[str, int] = {}
 
@@ -124,7 +124,7 @@ class Scheduler:
                 i += 1  # prompts take their turn below, in fair order
                 continue
             drafts = self._propose(req, min(budget - 1, draft_share))
-            if drafts and self._grow(req, req.num_tokens + len(drafts)):
+            if drafts and self.kv.grow(req, req.num_tokens + len(drafts)):
                 out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(drafts), drafts))
                 budget -= 1 + len(drafts)
                 i += 1
@@ -133,7 +133,7 @@ class Scheduler:
             if n == 0:  # a prompt whose last chunk waits for its KV destination
                 i += 1
                 continue
-            while not self._grow(req, req.num_computed_tokens + n):
+            while not self.kv.grow(req, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -226,7 +226,7 @@ class Scheduler:
 
     def _end_if_too_large(self, req: Request, out: SchedulerOutput) -> bool:
         """End a waiting request larger than the whole cache (it grew there decoding): it can never run."""
-        if cdiv(req.num_tokens, self.block_size) <= self.allocator.num_blocks:
+        if self.kv.can_ever_fit(req.num_tokens):
             return False
         self.finish(req, RequestStatus.FINISHED_LENGTH if req.output_token_ids else RequestStatus.FINISHED_ERROR)
         out.finished.append(req)
@@ -243,12 +243,12 @@ class Scheduler:
         need = cdiv(num_tokens, self.block_size) - len(req.block_ids)
         # NOTE: upper bound (a victim's blocks shared with a prefix another sequence holds do not free): when
         # even all of them cannot make room, preempt nobody and give the room back instead, as FIFO would
-        if self.allocator.num_free_blocks + sum(len(v.block_ids) for v in victims) < need:
+        if self.kv.allocator.num_free_blocks + sum(len(v.block_ids) for v in victims) < need:
             self.running.remove(req)
             self._preempt(req)
             out.preempted.append(req)
             return False
-        while not self._grow(req, num_tokens):
+        while not self.kv.grow(req, num_tokens):
             if not victims:
                 return False
             victim = victims.pop()
@@ -271,7 +271,7 @@ class Scheduler:
             # rejected drafts' KV, which the sequence's next chunks overwrite.
             req.num_computed_tokens = chunk.start + len(tokens) if chunk.draft_token_ids else chunk.end
             if not chunk.draft_token_ids:  # (a verified chunk's blocks are hashed once its tokens are in)
-                self._commit_full_blocks(req)
+                self.kv.commit_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a partial prefill chunk: its sample is meaningless
             if decoding:
@@ -295,27 +295,19 @@ class Scheduler:
                     break
             else:
                 if chunk.draft_token_ids:
-                    self._commit_full_blocks(req)
-                    self._trim(req)
+                    self.kv.commit_full_blocks(req)
+                    self.kv.trim(req)
         return advanced
 
     def reserve_for_kv(self, req: Request) -> list[int] | None:
         """Decode worker: hold blocks for a prompt whose KV another worker computes. The prompt's full
         blocks that this cache already holds are reused; the returned table covers the whole prompt, and
         the first `req.num_cached_tokens // block_size` of it need not be sent. None when out of room."""
-        bs = self.block_size
-        cached = self.allocator.find_cached(req.block_hashes[:req.num_prompt_tokens // bs])
-        self.allocator.touch(cached)
-        fresh = self.allocator.allocate(cdiv(req.num_prompt_tokens, bs) - len(cached))
-        if fresh is None:
-            self.allocator.free(cached)
+        if not self.kv.reserve(req):
             return None
-        req.block_ids = cached + fresh
-        req.num_cached_tokens = len(cached) * bs
         req.status = RequestStatus.WAITING_FOR_KV
         self.requests[req.request_id] = req
         self._arrival_step[req.request_id] = self._step  # (a preempted one waits, and ages, like any prompt)
-        self._num_committed[req.request_id] = len(cached)
         return req.block_ids
 
     def kv_received(self, request_ids: list[str]) -> None:
@@ -332,7 +324,7 @@ class Scheduler:
         assert req.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.KV_LANDED), \
             f"{req.request_id} is {req.status.name}"
         req.num_computed_tokens = req.num_prompt_tokens
-        self._commit_full_blocks(req)
+        self.kv.commit_full_blocks(req)
         req.append_token(first_token)
         stop = req.check_stop()
         if stop is not None:
@@ -350,7 +342,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.paused.pop(req.request_id, None)
-        self._release(req)
+        self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._arrival_step.pop(req.request_id, None)
 
@@ -384,60 +376,18 @@ class Scheduler:
                                      st.num_accepted_tokens + accepted, st.num_decode_seq_steps + 1,
                                      st.num_decode_tokens + len(tokens))
 
-    def _trim(self, req: Request) -> None:
-        """Free the blocks that held only rejected drafts' slots."""
-        keep = cdiv(req.num_tokens, self.block_size)
-        if len(req.block_ids) > keep:
-            self.allocator.free(req.block_ids[keep:])
-            del req.block_ids[keep:]
-
-    # -- blocks -----------------------------------------------------------------------------------------
+    # -- blocks (`KVCacheManager`) ------------------------------------------------------------------------
 
     def _admit(self, req: Request, budget: int) -> bool:
-        """Give a waiting request its blocks: the cached prefix first, then fresh ones for this step."""
-        bs = self.block_size
-        # NOTE: at least the last prompt token is always computed, since its logits give the next token.
-        cached = self.allocator.find_cached(req.block_hashes[:(req.num_tokens - 1) // bs])
-        self.allocator.touch(cached)
-        computed = len(cached) * bs
-        n = min(req.num_tokens - computed, budget)
-        fresh = self.allocator.allocate(cdiv(computed + n, bs) - len(cached))
-        if fresh is None:
-            self.allocator.free(cached)
+        """A waiting request's blocks (its cached prefix, then fresh ones for this step): it prefills."""
+        if not self.kv.admit(req, budget):
             return False
-        req.block_ids = cached + fresh
-        req.num_computed_tokens = computed
-        if not req.output_token_ids:  # first admission, not a recompute after preemption
-            req.num_cached_tokens = computed
         req.status = RequestStatus.PREFILLING
-        self._num_committed[req.request_id] = len(cached)
         return True
-
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        need = cdiv(num_tokens, self.block_size) - len(req.block_ids)
-        if need <= 0:
-            return True
-        blocks = self.allocator.allocate(need)
-        if blocks is None:
-            return False
-        req.block_ids += blocks
-        return True
-
-    def _commit_full_blocks(self, req: Request) -> None:
-        start = self._num_committed.get(req.request_id, 0)
-        end = req.num_computed_tokens // self.block_size
-        for i in range(start, end):
-            self.allocator.cache_block(req.block_ids[i], req.block_hashes[i])
-        self._num_committed[req.request_id] = max(start, end)
 
     def _preempt(self, req: Request) -> None:
-        self._release(req)
+        """Recompute preemption: its blocks go back and it waits at the front, to start over."""
+        self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
-
-    def _release(self, req: Request) -> None:
-        if req.block_ids:
-            self.allocator.free(req.block_ids)
-            req.block_ids = []
-        self._num_committed.pop(req.request_id, None)
