@@ -40,8 +40,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    # NOTE: the paged-attention kernel is built here, once, before any test starts a worker: a worker
-    # SIGKILLed by a chaos test while it held torch's build lock would leave every later worker waiting on it
+    # NOTE: the paged-attention kernel is built here, once, before any test starts a worker, so that no
+    # test's timing includes the build (a build a chaos test kills is recovered: engine.kernels._build_lock)
     from engine.kernels import cpu_kernels
 
     cpu_kernels()

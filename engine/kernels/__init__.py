@@ -5,12 +5,15 @@ builds a package inside an isolated environment, and a `torch` requirement there
 the index offers (a multi-GB CUDA build here), not the one the kernel will be loaded into. Built against the
 running torch, the kernel's ABI always matches. The build takes about a minute on 2 cores, once per
 machine, torch version and source (cached under `$PDSERVE_KERNEL_CACHE`, default
-`~/.cache/pdserve/kernels`); concurrent builds wait on torch's lock. Where it cannot be built (no compiler,
+`~/.cache/pdserve/kernels`). Concurrent builds and loads wait on an OS file lock of ours (`_build_lock`), which
+the kernel drops when its holder dies. Where it cannot be built (no compiler,
 `PDSERVE_KERNELS=0`), or off the CPU, attention takes its torch path and says so once in the log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -18,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import cast
@@ -55,6 +59,26 @@ def _name() -> str:
     return f"pdserve_kernels_{h.hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """One process at a time builds or loads the kernel in `build`.
+
+    NOTE: torch's extension builder guards its build directory with a lock *file* (its `FileBaton`) that
+    every later load also waits on, forever, while the file exists: a worker killed mid-build (SIGKILL,
+    OOM) would leave it behind and hang every worker started on this machine afterwards. An flock is
+    released by the kernel when its holder dies, so holding it proves any torch lock file there is stale."""
+    with open(build / "pdserve.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that did not finish (its process died)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (with `paged_attention`), or None where it cannot be had (reason logged)."""
@@ -72,8 +96,9 @@ def cpu_kernels() -> ModuleType | None:
               "version, about a minute)...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     try:
-        mod = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                                 extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        with _build_lock(build):
+            mod = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                                     extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure falls back, with its cause named
         log.warning("pdserve's paged-attention kernel could not be built (%s: %s); attention gathers blocks "
                     "and calls SDPA instead. Install g++ and ninja (pip install ninja) to build it, or set "

@@ -7,7 +7,10 @@ same blocks where they lie.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -93,6 +96,23 @@ def test_kernel_refuses_mismatched_inputs_naming_them():
         KERNELS.paged_attention(out, q, k_cache.double(), v_cache, tables, seqs, 0.25, KERNEL_PARTITION)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         KERNELS.paged_attention(out[:, :3], q[:, :3], k_cache, v_cache, tables, seqs, 0.25, KERNEL_PARTITION)
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+    """torch's extension builder leaves a `lock` file behind when its process dies mid-build (a chaos test's
+    SIGKILL, the OOM killer), and its next load waits on that file forever: pdserve's own flock (released by
+    the kernel with its holder) proves the file stale and removes it. A fresh process loads the cached kernel
+    with the stale file there."""
+    from engine import kernels
+
+    build = kernels.cache_dir() / kernels._name()
+    (build / "lock").write_text("")  # what a builder killed mid-build leaves
+    code = "from engine.kernels import cpu_kernels; assert cpu_kernels() is not None"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PDSERVE_KERNELS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left by a kernel build that did not finish" in done.stderr
+    assert not (build / "lock").exists()
 
 
 def test_engine_decodes_through_the_kernel_and_matches_the_gathering_path():
