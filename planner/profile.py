@@ -9,8 +9,8 @@
 `chunk * context` is attention's pairwise work: each prompt token of a chunk attends to the tokens before
 it (the chunk's own half on average), so long prompts cost more per token than short ones.
 
-One JSON file, versioned (`VERSION`), naming the machine, model and date it was measured on; `scaled`
-derives a profile for another device (its source says so).
+One JSON file, versioned (`VERSION`), naming the machine, model and date it was measured on;
+`planner.devices` derives one for another device from published figures (its `source` says so).
 """
 
 from __future__ import annotations
@@ -158,34 +158,6 @@ class Profile:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: cannot read a profile: {e}") from e
         return cls.from_dict(d)
-
-    def scaled(self, device: DeviceScale) -> Profile:
-        """This profile's constants on another device: compute terms divided by its compute ratio, the
-        per-step and per-sequence decode terms (memory-bound: weights and KV read each step) by its memory
-        bandwidth ratio, the link by its link ratio; the engine settings are the device's."""
-        c, m = device.compute_ratio, device.memory_ratio
-        return dataclasses.replace(
-            self, machine={"device": device.name}, source=f"scaled from {self.model} on {self.machine} "
-            f"({self.date}) by {device.name}: {device.reference}",
-            prefill=PrefillCost(self.prefill.step_s / c, self.prefill.token_s / c, self.prefill.attention_s / c),
-            decode=DecodeCost(self.decode.step_s / m, self.decode.seq_s / m, self.decode.context_token_s / m),
-            transfer=dataclasses.replace(self.transfer, bytes_per_s=self.transfer.bytes_per_s * device.link_ratio),
-            engine=dataclasses.replace(self.engine, **device.engine), shared_cores=None, samples={})
-
-
-@dataclass(frozen=True)
-class DeviceScale:
-    """How much faster another device is than the profiled one, by published figures (`reference`)."""
-
-    name: str
-    compute_ratio: float  # dense matmul throughput, target / profiled
-    memory_ratio: float  # memory bandwidth, target / profiled
-    link_ratio: float  # KV link bandwidth, target / profiled
-    reference: str  # where the figures come from
-    engine: dict[str, int] = field(default_factory=dict)  # engine settings that suit the device
-
-    def __post_init__(self) -> None:
-        _positive(self, "compute_ratio", "memory_ratio", "link_ratio", allow_zero=False)
 
 
 def machine_info() -> dict[str, Any]:

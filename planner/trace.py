@@ -106,9 +106,20 @@ def from_jsonl(path: str | Path) -> Trace:
     return Trace(tuple(sorted(out, key=lambda r: r.arrival_s)), Path(path).stem)
 
 
+def _has_arrivals(path: str) -> bool:
+    """A trace file (arrival times) rather than a bench workload file (lengths only)."""
+    with open(path) as f:
+        first = next((line for line in f if line.strip()), "{}")
+    try:
+        return "arrival_s" in json.loads(first)
+    except json.JSONDecodeError:
+        return True  # from_jsonl names the line
+
+
 def load_trace(spec: str, rate: float | None, num_requests: int, seed: int = 0) -> Trace:
-    """A `.jsonl` trace (rescaled to `rate` when one is given), or a bench workload by name at `rate`."""
-    if spec.endswith(".jsonl"):
+    """A `.jsonl` trace (rescaled to `rate` when one is given), or a bench workload (a name, or a `.jsonl`
+    of lengths only, as `pdserve bench --workload` takes) at Poisson `rate`."""
+    if spec.endswith(".jsonl") and _has_arrivals(spec):
         trace = from_jsonl(spec)
         return trace.at_rate(rate) if rate is not None else trace
     if rate is None:

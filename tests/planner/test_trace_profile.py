@@ -9,7 +9,8 @@ import pytest
 
 from benchmarks.serving.load import poisson_offsets
 from benchmarks.serving.workloads import make_workload
-from planner.profile import DeviceScale, Profile
+from planner.devices import on_device
+from planner.profile import Profile
 from planner.results import weighted_percentile
 from planner.trace import TRACE_VOCAB, PrefixHashes, from_jsonl, from_workload, load_trace
 from tests.planner.test_simulator import profile
@@ -53,13 +54,16 @@ def test_a_profile_round_trips_and_refuses_another_version(tmp_path):
         Profile.from_dict(d)
 
 
-def test_a_scaled_profile_divides_compute_and_memory_terms_by_the_device_s_ratios():
-    p = profile()
-    s = p.scaled(DeviceScale("x", compute_ratio=10, memory_ratio=4, link_ratio=2, reference="test"))
-    assert s.prefill.token_s == pytest.approx(p.prefill.token_s / 10)
-    assert s.decode.seq_s == pytest.approx(p.decode.seq_s / 4)
-    assert s.transfer.bytes_per_s == pytest.approx(p.transfer.bytes_per_s * 2)
-    assert "scaled from" in s.source and s.shared_cores is None
+def test_a_device_profile_takes_its_constants_from_published_figures_and_its_structure_from_the_measured_one():
+    p = profile(shared_cores=2)
+    h100 = on_device(p, "h100", "llama3-8b")
+    assert h100.prefill.token_s == pytest.approx(2 * 8.03e9 / (989e12 * 0.5))
+    assert h100.decode.step_s == pytest.approx(16.06e9 / (3.35e12 * 0.6))
+    assert h100.transfer.bytes_per_token == 131_072 and h100.shared_cores is None
+    assert h100.engine.prefill_chunk_tokens == 2048 and h100.router == p.router
+    assert "published figures" in h100.source
+    with pytest.raises(ValueError, match="--device"):
+        on_device(p, "tpu-v9")
 
 
 def test_the_weighted_percentile_is_the_bench_s_percentile_of_the_expanded_list():
