@@ -123,7 +123,10 @@ class Profile:
     engine: EngineSettings = EngineSettings()
     # the cores the workers share, when fewer than the workers (a CPU box): the simulator slows each step by
     # the share of cores it gets; None: every worker has a device of its own (GPUs)
-    shared_cores: int | None = None
+    shared_cores: float | None = None
+    # on a shared machine, what each other worker computing at the same time adds to a step (a fraction:
+    # memory bandwidth and caches are shared even when cores are not); 0 with a device each
+    interference: float = 0.0
     source: str = "measured"  # or how it was derived ("scaled from ... by ...")
     samples: dict[str, Any] = field(default_factory=dict)  # the raw measurements the constants were fitted to
     version: int = VERSION
@@ -131,8 +134,10 @@ class Profile:
     def __post_init__(self) -> None:
         if self.version != VERSION:
             raise ValueError(f"profile version {self.version} is not {VERSION}: take the profile again")
-        if self.shared_cores is not None and self.shared_cores < 1:
-            raise ValueError(f"shared_cores must be >= 1 or null, got {self.shared_cores}")
+        if self.interference < 0:
+            raise ValueError(f"interference must be >= 0, got {self.interference}")
+        if self.shared_cores is not None and not self.shared_cores > 0:
+            raise ValueError(f"shared_cores must be > 0 or null, got {self.shared_cores}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

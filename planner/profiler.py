@@ -11,7 +11,9 @@ unless asked for):
 2. the router: client TTFT less the server's queue + prefill, at idle;
 3. KV transfer: `timing.kv_transfer_seconds` (what is left of the push after the last chunk) against the
    last chunk's bytes; and the router's own measured link rate, recorded beside it;
-4. decode: B requests at once (B = 1-32, short prompts; B = 2 and 8 with long ones), the median client
+4. interference: a batch decoding while long prompts prefill: how much two workers computing at once
+   stretch each other's steps on this machine (memory bandwidth, caches), beyond sharing its cores;
+5. decode: B requests at once (B = 1-32, short prompts; B = 2 and 8 with long ones), the median client
    gap between tokens as the step at batch B and context B x (prompt + half the output), fitted as a line
    in batch and context; the router's CPU per token relayed (this process's CPU over the tokens: router
    and load generator both, so an upper bound).
@@ -44,6 +46,7 @@ PREFILL_LENGTHS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280)
 CACHED_CASES = ((512, 64), (1024, 64), (1024, 512))  # (prompt tokens, uncached tail)
 DECODE_BATCHES = ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (2, 768), (8, 768))  # (batch, prompt)
 DECODE_OUTPUT = 48
+INTERFERENCE_PROMPT, INTERFERENCE_BATCH = 1280, 4  # a long prompt prefilling beside a decoding batch
 REPEATS = 2
 
 
@@ -136,9 +139,33 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
         decode.append({"batch": b, "prompt_len": p, "gap_p50_s": statistics.median(gaps), "num_gaps": len(gaps)})
         _log(f"[decode {i + 1}/{len(DECODE_BATCHES)}] batch {b}, {p}-token prompts: step "
              f"{decode[-1]['gap_p50_s'] * 1e3:.1f} ms")
-    samples = {"prefill": [s.__dict__ | {"gaps": None} for s in prefill],
+    interference = await measure_interference(probe)
+    samples = {"interference": interference, "prefill": [s.__dict__ | {"gaps": None} for s in prefill],
                "cached": [s.__dict__ | {"gaps": None} for s in cached], "decode": decode}
     return samples, cpu / max(1, tokens)
+
+
+async def measure_interference(probe: Prober) -> dict:
+    """Decode steps while the prefill worker computes long prompts, and those prompts' prefill while the
+    decode worker steps: what two workers computing at once cost each other on this machine."""
+    stop = asyncio.Event()
+    prompts: list[Sample] = []
+
+    async def prefill_load() -> None:
+        while not stop.is_set():
+            prompts.append(await probe.one(probe.tokens(INTERFERENCE_PROMPT), 2))
+
+    background = asyncio.ensure_future(prefill_load())
+    await asyncio.sleep(0.5)  # the first long prompt is computing
+    got = await probe.batch(INTERFERENCE_BATCH, 32, DECODE_OUTPUT)
+    stop.set()
+    await background
+    gaps = [g for s in got for g in s.gaps]
+    out = {"batch": INTERFERENCE_BATCH, "gap_p50_s": statistics.median(gaps),
+           "prompt_len": INTERFERENCE_PROMPT, "prefill_s": [s.server_prefill_s for s in prompts]}
+    _log(f"[interference] batch {INTERFERENCE_BATCH} step {out['gap_p50_s'] * 1e3:.1f} ms beside "
+         f"{len(prompts)} prefills of {INTERFERENCE_PROMPT} tokens")
+    return out
 
 
 def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, model: str,
@@ -160,9 +187,18 @@ def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, mod
     dec = samples["decode"]
     drows = [[1.0, d["batch"], d["batch"] * (d["prompt_len"] + DECODE_OUTPUT / 2)] for d in dec]
     d0, d_seq, d_ctx = fit_nonnegative(drows, [d["gap_p50_s"] for d in dec])
-    p = Profile(model, machine_info(), utc_now(), prefill, DecodeCost(d0, d_seq, d_ctx),
+    decode = DecodeCost(d0, d_seq, d_ctx)
+    inter = samples.get("interference")
+    interference = 0.0
+    if inter:  # the decode step's and the long prefill's stretch when both compute at once, averaged
+        solo_prefill = sum(c * f for c, f in zip((step_s, token_s, attention_s),
+                                                  prefill_features(inter["prompt_len"], 0, chunk)))
+        stretch = [inter["gap_p50_s"] / decode.step(inter["batch"], int(inter["batch"] * (32 + DECODE_OUTPUT / 2)))]
+        stretch += [statistics.median(inter["prefill_s"]) / solo_prefill] if inter["prefill_s"] else []
+        interference = max(0.0, statistics.mean(stretch) - 1)
+    p = Profile(model, machine_info(), utc_now(), prefill, decode,
                 TransferCost(bytes_per_token, link, latency), RouterCost(max(0.0, router_s), cpu_per_token_s),
-                engine, shared_cores)
+                engine, shared_cores, interference=interference)
     checks = {
         "prefill_fit_error_median": statistics.median(relative_errors(
             [sum(c * f for c, f in zip((step_s, token_s, attention_s), r)) for r in rows],

@@ -11,7 +11,8 @@ What it models (`planner.workers`): each worker's step loop (chunked prefill in 
 decode), KV pushed per chunk over the pair's link (a link carries one push at a time), late reservation
 (a prompt longer than two steps of prompt tokens gets its decode blocks when its prefill is done; none free:
 it waits there), the router's admission queue (no decode worker with room: wait), and, on a CPU profile,
-workers sharing `shared_cores` cores (a step that starts while k workers compute takes k/cores as long).
+workers sharing `shared_cores` cores (a step that starts while k workers compute takes k/cores as long,
+and `interference` longer for each of the others: shared memory bandwidth).
 
 What it leaves out: local prefill, speculative decoding, preemption, prefix-cache eviction, failures.
 """
@@ -187,9 +188,16 @@ class Simulation:
         if w.step is not None or not w.has_work:
             return
         self.computing += 1
-        cores = self.profile.shared_cores
-        step = w.plan_step(max(1.0, self.computing / cores) if cores else 1.0)
+        step = w.plan_step(self.slowdown())
         self.at(self.now + step.duration_s, lambda: self.end_step(w))
+
+    def slowdown(self) -> float:
+        """How much longer a step starting now takes for the workers computing beside it: their share of the
+        cores, and their interference (the profile's)."""
+        cores, k = self.profile.shared_cores, self.computing
+        if not cores:
+            return 1.0
+        return max(1.0, k / cores) * (1 + self.profile.interference * (k - 1))
 
     def end_step(self, w: SimWorker) -> None:
         self.computing -= 1

@@ -114,7 +114,7 @@ def size(profile: Profile, trace: Trace, slo: SLO, max_pool_size: int = 64, colo
          late_reservation: bool = True) -> SizingPlan:
     # NOTE: a fleet gives every worker a device of its own: a CPU profile's shared cores would make each
     # added worker slow the others down, which is this test machine, not a deployment
-    profile = dataclasses.replace(profile, shared_cores=None)
+    profile = dataclasses.replace(profile, shared_cores=None, interference=0.0)
     search = Search(profile, trace, slo, late_reservation)
     p0, d0 = first_guess(profile, trace, slo)
     p_hi, d_hi = min(max_pool_size, 2 * p0), min(max_pool_size, 2 * d0)

@@ -107,3 +107,10 @@ def test_stop_after_leaves_unfinished_requests_as_misses():
     result = simulate(profile(), "1p1d", heavy, SimOptions(stop_after_s=1.0))
     assert result.num_completed < 10
     assert result.attainment(SLO(100.0, 100.0)) < 1.0
+
+
+def test_interference_stretches_a_step_for_each_worker_computing_beside_it():
+    two_at_once = trace((0.0, 256, 2), (0.0, 256, 2))
+    result = simulate(profile(shared_cores=2, interference=0.5), "2c", two_at_once)
+    # the second step starts while the first computes: 1.5x; the first started alone
+    assert sorted(r.ttft_s for r in result.requests) == pytest.approx([0.276 + 0.01, 0.276 * 1.5 + 0.01])
