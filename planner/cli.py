@@ -3,6 +3,7 @@
     pdserve plan profile --launch --out profile.json
     pdserve plan simulate --profile profile.json --layout 2p1d --workload chat --rate 1 --num-requests 60
     pdserve plan size --profile profile.json --workload rag --rate 4 --ttft-slo 2 --itl-slo 0.1
+    pdserve plan watch --profile profile.json --slo-file slo.json [--apply]
 
 `control.cli` hands every `pdserve plan ...` command line to `main` here.
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -66,7 +68,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_args(p)
     p.add_argument("--max-pool-size", type=int, default=64, help="the most workers a pool may have")
     p.add_argument("--no-colocated", action="store_true", help="search disaggregated layouts only")
+    p = sub.add_parser("watch", help="autoscale: read live rates, forecast, re-plan, advise or scale (--apply)")
+    p.add_argument("--server", default="127.0.0.1:50051", help="the deployment's gRPC address (Admin API)")
+    p.add_argument("--metrics", default="http://127.0.0.1:9400/metrics", help="the router's /metrics URL")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--slo-file", required=True, help='JSON: {"ttft_s": 2, "itl_s": 0.1, "target": 0.9}')
+    p.add_argument("--interval", type=float, default=30.0, help="seconds between re-plans")
+    p.add_argument("--cooldown", type=float, default=60.0, help="seconds a pool stays unchanged after a change")
+    p.add_argument("--down-after", type=int, default=2,
+                   help="intervals in a row that must ask for fewer workers before a pool shrinks")
+    p.add_argument("--max-pool-size", type=int, default=64)
+    p.add_argument("--apply", action="store_true", help="scale through the Admin API (default: advise only)")
+    p.add_argument("--port", type=int, default=None, help="serve the watcher's own gauges on this port")
+    p.add_argument("--rounds", type=int, default=None, help="stop after this many intervals")
+    from router.security import add_client_args
+
+    add_client_args(p)
     return parser
+
+
+def _watch(args: argparse.Namespace) -> int:
+    import logging
+
+    from planner.autoscaler import ScalePolicy
+    from planner.watch import PoolsClient, WatchGauges, load_slo, watch
+    from router.security import client_security
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    policy = ScalePolicy(args.cooldown, args.down_after, 1, args.max_pool_size)
+    with contextlib.suppress(KeyboardInterrupt):
+        watch(PoolsClient(args.server, client_security(args)), args.metrics, Profile.load(args.profile),
+              load_slo(args.slo_file), policy, args.interval, args.apply, WatchGauges(args.port), args.rounds)
+    return 0
 
 
 def load_profile(args: argparse.Namespace) -> Profile:
@@ -157,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"profile": _profile, "simulate": _simulate, "size": _size}[args.command](args)
+        return {"profile": _profile, "simulate": _simulate, "size": _size, "watch": _watch}[args.command](args)
     except ValueError as e:
         print(f"pdserve plan {args.command}: {e}", file=sys.stderr)
         return 2
