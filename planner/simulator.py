@@ -12,7 +12,8 @@ decode), KV pushed per chunk over the pair's link (a link carries one push at a 
 (a prompt longer than two steps of prompt tokens gets its decode blocks when its prefill is done; none free:
 it waits there), the router's admission queue (no decode worker with room: wait), and, on a CPU profile,
 workers sharing `shared_cores` cores (a step that starts while k workers compute takes k/cores as long,
-and `interference` longer for each of the others: shared memory bandwidth).
+and `interference` longer for each of the others: shared memory bandwidth; the router's CPU for the
+tokens it relays comes off those cores).
 
 What it leaves out: local prefill, speculative decoding, preemption, prefix-cache eviction, failures.
 """
@@ -94,6 +95,7 @@ class Simulation:
         self.links: dict[tuple[str, str], float] = {}  # when each link is free again
         self.gaps: list[tuple[float, int]] = []
         self.computing = 0  # workers in a step now
+        self.cores = self.worker_cores()
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -191,10 +193,20 @@ class Simulation:
         step = w.plan_step(self.slowdown())
         self.at(self.now + step.duration_s, lambda: self.end_step(w))
 
+    def worker_cores(self) -> float | None:
+        """The cores the workers share, less what the router takes relaying the trace's tokens (on a shared
+        machine it runs beside them: `router.token_s` of CPU a token, measured by the profile)."""
+        cores = self.profile.shared_cores
+        if not cores:
+            return None
+        span = max(1.0, self.trace.duration_s)
+        router = self.profile.router.token_s * sum(r.output_len for r in self.trace.requests) / span
+        return max(0.5, cores - router)
+
     def slowdown(self) -> float:
         """How much longer a step starting now takes for the workers computing beside it: their share of the
         cores, and their interference (the profile's)."""
-        cores, k = self.profile.shared_cores, self.computing
+        cores, k = self.cores, self.computing
         if not cores:
             return 1.0
         return max(1.0, k / cores) * (1 + self.profile.interference * (k - 1))
