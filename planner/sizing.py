@@ -155,8 +155,8 @@ def format_plan(plan: SizingPlan, slo: SLO) -> str:
              f"{'TTFT p50/p90 ms':>16} {'ITL p50 ms':>10}  why"]
     for c in plan.searched:
         t, i = c.result.ttft, c.result.itl
-        lines.append(f"{c.layout.label:<8} {c.workers:>7} {c.attainment:8.0%} {c.ttft_attainment:8.0%} "
-                     f"{c.itl_attainment:7.0%} {t.p50 * 1e3:7.0f} /{t.p90 * 1e3:7.0f} {i.p50 * 1e3:10.1f}  "
+        lines.append(f"{c.layout.label:<8} {c.workers:>7} {c.attainment:8.1%} {c.ttft_attainment:8.1%} "
+                     f"{c.itl_attainment:7.1%} {t.p50 * 1e3:7.0f} /{t.p90 * 1e3:7.0f} {i.p50 * 1e3:10.1f}  "
                      f"{why(c, plan.best, slo)}")
     head = (f"SLO: TTFT <= {slo.ttft_s:g} s and mean ITL <= {slo.itl_s:g} s for {slo.target:.0%} of requests -> "
             + (f"{plan.best.layout.label} ({plan.best.workers} workers)" if plan.best else
