@@ -120,12 +120,18 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
     """The loop: `rounds` intervals (None: until interrupted)."""
     forecaster, scaler = Forecaster(), Autoscaler(policy)
     before, t_before = scrape(metrics_url), time.monotonic()
+    start = before
     k = 0
     while rounds is None or k < rounds:
         k += 1
         time.sleep(interval_s)
         after, t_after = scrape(metrics_url), time.monotonic()
+        # NOTE: the rate is the interval's; the lengths are the means since the watch began: prompt tokens
+        # are counted when a prefill ends and requests when a stream ends, so over one short interval the
+        # two counts belong to different requests (3 prefills over 1 finished stream read as 3x the prompt)
         traffic = Traffic.between(before, after, t_after - t_before)
+        shape = Traffic.between(start, after, 1.0)
+        traffic = Traffic(traffic.rate, shape.mean_prompt, shape.mean_output)
         before, t_before = after, t_after
         rate = forecaster.observe(traffic.rate)
         plan, decisions = None, []

@@ -74,3 +74,17 @@ def test_one_dip_does_not_scale_down_but_a_second_in_a_row_does():
 def test_a_bad_policy_is_refused():
     with pytest.raises(ValueError):
         ScalePolicy(min_pool_size=5, max_pool_size=2)
+
+
+def test_the_watcher_sizes_on_a_trace_shaped_like_the_interval_and_reads_its_slo_file(tmp_path):
+    from planner.watch import load_slo, synthetic_trace
+
+    trace = synthetic_trace(Traffic(rate=2.0, mean_prompt=100.0, mean_output=40.0), rate=3.0)
+    assert len(trace.requests) == 180 and abs(trace.rate - 3.0) < 0.6
+    assert all(50 <= r.prompt_len <= 150 and 20 <= r.output_len <= 60 for r in trace.requests)
+    path = tmp_path / "slo.json"
+    path.write_text('{"ttft_s": 2, "itl_s": 0.1}')
+    assert (load_slo(str(path)).ttft_s, load_slo(str(path)).target) == (2.0, 0.9)
+    path.write_text('{"ttft": 2}')
+    with pytest.raises(ValueError, match="ttft_s"):
+        load_slo(str(path))
