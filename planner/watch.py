@@ -138,7 +138,11 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
         if traffic.rate > 0 and rate > 0:
             plan = size(profile, synthetic_trace(traffic, rate), slo, max_pool_size=policy.max_pool_size,
                         colocated=False)
-        if plan is not None and plan.best is not None:
+        if rate == 0:  # no traffic: the smallest pools
+            floor = policy.min_pool_size
+            decisions = scaler.decide(time.monotonic(), pools.sizes(), {"prefill": floor, "decode": floor},
+                                      "no requests in the interval, none forecast")
+        elif plan is not None and plan.best is not None:
             b = plan.best
             wanted = {"prefill": b.layout.prefill_workers, "decode": b.layout.decode_workers}
             why = (f"{traffic.rate:.2f} req/s now, {rate:.2f} forecast, prompts {traffic.mean_prompt:.0f} / outputs "
