@@ -1,5 +1,6 @@
 """The `pdserve` command: `serve` starts a deployment, `generate` streams a completion from one, `bench`
-measures layouts side by side (`benchmarks.serving.cli`); `workers`, `scale`, `drain` and `restart-pool`
+measures layouts side by side (`benchmarks.serving.cli`), `plan` sizes the pools (`planner.cli`); `workers`,
+`scale`, `drain` and `restart-pool`
 operate a running one (`control.admin_cli`); `stop` stops one with router replicas, whichever replica leads
 it."""
 
@@ -266,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     admin_cli.add_parsers(sub)
     sub.add_parser("bench", add_help=False,
                    help="run workloads against server layouts side by side (pdserve bench --help)")
+    sub.add_parser("plan", add_help=False,
+                   help="profile, simulate, size the pools for an SLO (pdserve plan --help)")
     return parser
 
 
@@ -275,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.serving.cli import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["plan"]:  # its own parser, in planner/cli.py
+        from planner.cli import main as plan
+
+        return plan(argv[1:])
     args = build_parser().parse_args(argv)
     return {"serve": serve, "generate": generate, "stop": stop, **admin_cli.COMMANDS}[args.command](args)
 

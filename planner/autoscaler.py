@@ -1,0 +1,121 @@
+"""The autoscaler's pure parts: live traffic from the router's counters, a forecast of the next interval,
+and the decision rule (cool-down, scale-down hysteresis, pool bounds). `planner.watch` runs them.
+
+    traffic      = deltas of pdserve_requests_total, pdserve_prompt_tokens_total,
+                   pdserve_generation_tokens_total between two scrapes
+    forecast     = Holt's linear smoothing of the request rate (level + trend), never below 0
+    decision     = up at once (past the pool's cool-down); down only after `down_after` intervals in a row
+                   asked for less (and past the cool-down); always within [min_pool_size, max_pool_size]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+REQUESTS = "pdserve_requests_total"
+PROMPT_TOKENS = "pdserve_prompt_tokens_total"
+OUTPUT_TOKENS = "pdserve_generation_tokens_total"
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The router's counters we read, each summed over its labels, from a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {REQUESTS: 0.0, PROMPT_TOKENS: 0.0, OUTPUT_TOKENS: 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in totals:
+                totals[s.name] += s.value
+    return totals
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What came in over one interval."""
+
+    rate: float  # requests per second
+    mean_prompt: float  # tokens
+    mean_output: float
+
+    @classmethod
+    def between(cls, before: Mapping[str, float], after: Mapping[str, float], seconds: float) -> Traffic:
+        if seconds <= 0:
+            raise ValueError(f"seconds must be > 0, got {seconds}")
+        n = after[REQUESTS] - before[REQUESTS]
+        if n <= 0:
+            return cls(0.0, 0.0, 0.0)
+        return cls(n / seconds, (after[PROMPT_TOKENS] - before[PROMPT_TOKENS]) / n,
+                   (after[OUTPUT_TOKENS] - before[OUTPUT_TOKENS]) / n)
+
+
+@dataclass
+class Forecaster:
+    """Holt's linear smoothing of the request rate: the next interval's rate = level + trend."""
+
+    alpha: float = 0.5  # weight of the newest rate in the level
+    beta: float = 0.3  # weight of the newest change in the trend
+    level: float | None = None
+    trend: float = 0.0
+
+    def observe(self, rate: float) -> float:
+        """Fold in an interval's rate; returns the forecast of the next one."""
+        if self.level is None:
+            self.level = rate
+        else:
+            previous = self.level
+            self.level = self.alpha * rate + (1 - self.alpha) * (self.level + self.trend)
+            self.trend = self.beta * (self.level - previous) + (1 - self.beta) * self.trend
+        return max(0.0, self.level + self.trend)
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    """How eagerly the autoscaler acts."""
+
+    cooldown_s: float = 60.0  # after a pool changes, it does not change again for this long
+    down_after: int = 2  # intervals in a row that must ask for fewer workers before a scale-down
+    min_pool_size: int = 1
+    max_pool_size: int = 64  # as `pdserve serve --max-pool-size`
+
+    def __post_init__(self) -> None:
+        if self.cooldown_s < 0 or self.down_after < 1 or not 1 <= self.min_pool_size <= self.max_pool_size:
+            raise ValueError(f"bad scale policy: {self}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One pool's change, and why."""
+
+    pool: str
+    current: int
+    target: int
+    reason: str
+
+
+@dataclass
+class Autoscaler:
+    policy: ScalePolicy = field(default_factory=ScalePolicy)
+    last_change: dict[str, float] = field(default_factory=dict)  # by pool: when it last changed
+    down_votes: dict[str, int] = field(default_factory=dict)  # by pool: intervals in a row that asked for less
+
+    def decide(self, now: float, current: Mapping[str, int], wanted: Mapping[str, int], why: str) -> list[Decision]:
+        """The changes to make now: `wanted` is the plan's size of each pool, `current` the pools' targets."""
+        out = []
+        for pool, want in wanted.items():
+            have = current.get(pool, 0)
+            want = min(self.policy.max_pool_size, max(self.policy.min_pool_size, want))
+            cooling = now - self.last_change.get(pool, float("-inf")) < self.policy.cooldown_s
+            if want < have:
+                self.down_votes[pool] = self.down_votes.get(pool, 0) + 1
+            else:
+                self.down_votes[pool] = 0
+            if want == have or cooling:
+                continue
+            if want < have and self.down_votes[pool] < self.policy.down_after:
+                continue
+            self.last_change[pool] = now
+            self.down_votes[pool] = 0
+            verb = "up" if want > have else "down (drain, KV moved)"
+            out.append(Decision(pool, have, want, f"{pool} {have} -> {want} {verb}: {why}"))
+        return out

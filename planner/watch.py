@@ -1,0 +1,163 @@
+"""`pdserve plan watch`: every interval, read the router's live traffic, forecast the next interval, size the
+pools for the SLO from the profile, and say (advisory) or do (`--apply`) what should change.
+
+    pdserve plan watch --server 127.0.0.1:50051 --metrics http://127.0.0.1:9400/metrics \
+        --profile profile.json --slo-file slo.json [--apply] [--interval 30] [--cooldown 60]
+
+The SLO file: {"ttft_s": 2.0, "itl_s": 0.1, "target": 0.9}. With `--apply` it scales through the Admin API
+(`ScalePool`): up starts workers, down drains the least loaded with their KV moved (nothing is dropped).
+A change the server refuses (another in progress, a pool at --max-pool-size) is logged and tried again at
+the next interval. Its own gauges (`--port`): the forecast rate, each pool's planned size, the plan's
+estimated TTFT p90 and ITL p50, and its decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from pathlib import Path
+
+from planner.autoscaler import Autoscaler, Decision, Forecaster, ScalePolicy, Traffic, parse_counters
+from planner.profile import Profile
+from planner.results import SLO
+from planner.sizing import SizingPlan, size
+from planner.trace import Trace, TraceRequest
+
+logger = logging.getLogger("pdserve.planner")
+LENGTH_SPREAD = 0.5  # the synthetic trace's lengths: uniform within +-50% of the measured means
+MIN_TRACE_S, MAX_TRACE_REQUESTS = 60.0, 2000
+
+
+def load_slo(path: str) -> SLO:
+    try:
+        d = json.loads(Path(path).read_text())
+        return SLO(float(d["ttft_s"]), float(d["itl_s"]), float(d.get("target", 0.9)))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: expected {{\"ttft_s\": S, \"itl_s\": S[, \"target\": 0.9]}}: {e}") from e
+
+
+def synthetic_trace(traffic: Traffic, rate: float, seed: int = 0) -> Trace:
+    """Poisson arrivals at `rate` of requests shaped like the interval's, enough for a minute."""
+    import random
+
+    from benchmarks.serving.load import poisson_offsets
+
+    n = max(20, min(MAX_TRACE_REQUESTS, int(rate * MIN_TRACE_S)))
+    rng = random.Random(seed)
+
+    def length(mean: float) -> int:
+        return max(1, round(mean * rng.uniform(1 - LENGTH_SPREAD, 1 + LENGTH_SPREAD)))
+
+    return Trace(tuple(TraceRequest(t, length(traffic.mean_prompt), length(traffic.mean_output))
+                       for t in poisson_offsets(n, rate, seed)), f"live@{rate:.2f}")
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 (an operator-given URL)
+        return parse_counters(response.read().decode())
+
+
+class WatchGauges:
+    """The watcher's own metrics (dashboard panels read them)."""
+
+    def __init__(self, port: int | None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        r = self.registry = CollectorRegistry()
+        self.rate = Gauge("pdserve_planner_forecast_requests_per_second", "The next interval's forecast rate.",
+                          registry=r)
+        self.planned = Gauge("pdserve_planner_planned_workers", "Each pool's size in the latest plan.", ["pool"],
+                             registry=r)
+        self.ttft = Gauge("pdserve_planner_estimated_ttft_p90_seconds", "The plan's simulated TTFT p90.", registry=r)
+        self.itl = Gauge("pdserve_planner_estimated_itl_p50_seconds", "The plan's simulated ITL p50.", registry=r)
+        self.decisions = Counter("pdserve_planner_decisions", "Pool changes decided, by pool and direction.",
+                                 ["pool", "direction"], registry=r)
+        if port is not None:
+            start_http_server(port, "127.0.0.1", registry=r)
+
+    def record(self, rate: float, plan: SizingPlan | None, decisions: list[Decision]) -> None:
+        self.rate.set(rate)
+        if plan is not None and plan.best is not None:
+            layout, result = plan.best.layout, plan.best.result
+            for pool, n in (("prefill", layout.prefill_workers), ("decode", layout.decode_workers)):
+                self.planned.labels(pool).set(n)
+            self.ttft.set(result.ttft.p90)
+            self.itl.set(result.itl.p50)
+        for d in decisions:
+            self.decisions.labels(d.pool, "up" if d.target > d.current else "down").inc()
+
+
+class PoolsClient:
+    """The Admin API: the pools' targets, and changing them."""
+
+    def __init__(self, address: str, security) -> None:
+        from protos.pdserve.v1 import admin_pb2_grpc
+
+        self.channel = security.channel(address)
+        self.stub = admin_pb2_grpc.AdminStub(self.channel)
+
+    def sizes(self) -> dict[str, int]:
+        from protos.pdserve.v1 import admin_pb2 as pb
+        from protos.pdserve.v1 import generation_pb2 as gen_pb
+
+        res = self.stub.ListWorkers(pb.ListWorkersRequest(), timeout=30)
+        return {gen_pb.PoolKind.Name(p.pool).removeprefix("POOL_KIND_").lower(): p.target for p in res.pools}
+
+    def scale(self, d: Decision, timeout_s: float = 300.0) -> str:
+        from protos.pdserve.v1 import admin_pb2 as pb
+        from protos.pdserve.v1 import generation_pb2 as gen_pb
+
+        res = self.stub.ScalePool(pb.ScalePoolRequest(
+            pool=gen_pb.PoolKind.Value(f"POOL_KIND_{d.pool.upper()}"), num_workers=d.target,
+            method=pb.MigrationMethod.Value("MIGRATION_METHOD_KV"), timeout_seconds=timeout_s), timeout=timeout_s + 30)
+        return f"started {list(res.started)}, retired {list(res.retired)} (drained, KV moved)"
+
+
+def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, policy: ScalePolicy,
+          interval_s: float, apply: bool, gauges: WatchGauges, rounds: int | None = None) -> None:
+    """The loop: `rounds` intervals (None: until interrupted)."""
+    forecaster, scaler = Forecaster(), Autoscaler(policy)
+    before, t_before = scrape(metrics_url), time.monotonic()
+    start = before
+    k = 0
+    while rounds is None or k < rounds:
+        k += 1
+        time.sleep(interval_s)
+        after, t_after = scrape(metrics_url), time.monotonic()
+        # NOTE: the rate is the interval's; the lengths are the means since the watch began: prompt tokens
+        # are counted when a prefill ends and requests when a stream ends, so over one short interval the
+        # two counts belong to different requests (3 prefills over 1 finished stream read as 3x the prompt)
+        traffic = Traffic.between(before, after, t_after - t_before)
+        shape = Traffic.between(start, after, 1.0)
+        traffic = Traffic(traffic.rate, shape.mean_prompt, shape.mean_output)
+        before, t_before = after, t_after
+        rate = forecaster.observe(traffic.rate)
+        plan, decisions = None, []
+        if traffic.rate > 0 and rate > 0:
+            plan = size(profile, synthetic_trace(traffic, rate), slo, max_pool_size=policy.max_pool_size,
+                        colocated=False)
+        if rate == 0:  # no traffic: the smallest pools
+            floor = policy.min_pool_size
+            decisions = scaler.decide(time.monotonic(), pools.sizes(), {"prefill": floor, "decode": floor},
+                                      "no requests in the interval, none forecast")
+        elif plan is not None and plan.best is not None:
+            b = plan.best
+            wanted = {"prefill": b.layout.prefill_workers, "decode": b.layout.decode_workers}
+            why = (f"{traffic.rate:.2f} req/s now, {rate:.2f} forecast, prompts {traffic.mean_prompt:.0f} / outputs "
+                   f"{traffic.mean_output:.0f} tokens: {b.layout.label} meets the SLO for {b.attainment:.0%} "
+                   f"(TTFT p90 {b.result.ttft.p90:.2f} s, ITL p50 {b.result.itl.p50 * 1e3:.0f} ms)")
+            decisions = scaler.decide(time.monotonic(), pools.sizes(), wanted, why)
+        logger.info("interval %d: %.2f req/s, forecast %.2f; plan %s", k, traffic.rate, rate,
+                    plan.best.layout.label if plan is not None and plan.best is not None else "-")
+        for d in decisions:
+            if not apply:
+                logger.info("advice: %s", d.reason)
+                continue
+            try:
+                logger.info("scaling: %s -> %s", d.reason, pools.scale(d))
+            except Exception as e:  # a refused change (another in progress, a bound) waits for the next interval
+                logger.warning("scale of %s refused: %s; trying again next interval", d.pool, e)
+                scaler.last_change.pop(d.pool, None)
+        gauges.record(rate, plan, decisions)

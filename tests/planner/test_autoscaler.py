@@ -1,0 +1,90 @@
+"""The autoscaler's rules: traffic from the router's real counters, the forecast, cool-down, hysteresis,
+bounds."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from planner.autoscaler import (
+    OUTPUT_TOKENS,
+    PROMPT_TOKENS,
+    REQUESTS,
+    Autoscaler,
+    Forecaster,
+    ScalePolicy,
+    Traffic,
+    parse_counters,
+)
+from router.metrics import Metrics
+
+
+def test_traffic_comes_from_the_router_s_own_counters_summed_over_labels():
+    registry = CollectorRegistry()
+    requests = Counter(REQUESTS.removesuffix("_total"), "", ["finish_reason"], registry=registry)
+    prompt = Counter(PROMPT_TOKENS.removesuffix("_total"), "", ["worker"], registry=registry)
+    output = Counter(OUTPUT_TOKENS.removesuffix("_total"), "", ["worker"], registry=registry)
+    before = parse_counters(generate_latest(registry).decode())
+    requests.labels("stop").inc(6)
+    requests.labels("length").inc(4)
+    prompt.labels("p0").inc(600)
+    prompt.labels("p1").inc(400)
+    output.labels("d0").inc(500)
+    traffic = Traffic.between(before, parse_counters(generate_latest(registry).decode()), 5.0)
+    assert traffic == Traffic(rate=2.0, mean_prompt=100.0, mean_output=50.0)
+
+
+def test_the_router_exports_the_counters_the_autoscaler_reads():
+    metrics = Metrics("m", CollectorRegistry())
+    metrics.requests.labels("m", "stop").inc()
+    metrics.prompt_tokens.labels("m", "prefill", "p0").inc(3)
+    metrics.generation_tokens.labels("m", "decode", "d0").inc(2)
+    assert parse_counters(generate_latest(metrics.registry).decode()) == {REQUESTS: 1, PROMPT_TOKENS: 3, OUTPUT_TOKENS: 2}
+
+
+def test_the_forecast_follows_a_rising_rate_ahead_of_its_level_and_never_goes_negative():
+    f = Forecaster()
+    assert f.observe(1.0) == 1.0
+    rising = [f.observe(r) for r in (2.0, 3.0, 4.0)]
+    assert rising[-1] > 3.5
+    f = Forecaster()
+    for r in (4.0, 2.0, 0.0, 0.0):
+        last = f.observe(r)
+    assert last >= 0.0
+
+
+def test_up_at_once_down_only_after_repeated_asks_and_never_inside_the_cool_down():
+    scaler = Autoscaler(ScalePolicy(cooldown_s=60, down_after=2, max_pool_size=4))
+    (up,) = scaler.decide(0, {"decode": 1}, {"decode": 9}, "rate 3/s")
+    assert (up.current, up.target) == (1, 4)  # capped at max_pool_size
+    assert scaler.decide(30, {"decode": 4}, {"decode": 1}, "rate 0.5/s") == []  # cooling down (1st ask)
+    (down,) = scaler.decide(70, {"decode": 4}, {"decode": 1}, "rate 0.5/s")  # 2nd ask, cooled down
+    assert (down.current, down.target) == (4, 1) and "drain" in down.reason
+    assert scaler.decide(110, {"decode": 1}, {"decode": 3}, "rate 2/s") == []  # cooling down again
+
+
+def test_one_dip_does_not_scale_down_but_a_second_in_a_row_does():
+    scaler = Autoscaler(ScalePolicy(cooldown_s=0, down_after=2))
+    assert scaler.decide(0, {"prefill": 3}, {"prefill": 2}, "dip") == []
+    assert scaler.decide(10, {"prefill": 3}, {"prefill": 3}, "back") == []  # the dip is forgotten
+    assert scaler.decide(20, {"prefill": 3}, {"prefill": 2}, "dip") == []
+    assert [d.target for d in scaler.decide(30, {"prefill": 3}, {"prefill": 2}, "low")] == [2]
+
+
+def test_a_bad_policy_is_refused():
+    with pytest.raises(ValueError):
+        ScalePolicy(min_pool_size=5, max_pool_size=2)
+
+
+def test_the_watcher_sizes_on_a_trace_shaped_like_the_interval_and_reads_its_slo_file(tmp_path):
+    from planner.watch import load_slo, synthetic_trace
+
+    trace = synthetic_trace(Traffic(rate=2.0, mean_prompt=100.0, mean_output=40.0), rate=3.0)
+    assert len(trace.requests) == 180 and abs(trace.rate - 3.0) < 0.6
+    assert all(50 <= r.prompt_len <= 150 and 20 <= r.output_len <= 60 for r in trace.requests)
+    path = tmp_path / "slo.json"
+    path.write_text('{"ttft_s": 2, "itl_s": 0.1}')
+    assert (load_slo(str(path)).ttft_s, load_slo(str(path)).target) == (2.0, 0.9)
+    path.write_text('{"ttft": 2}')
+    with pytest.raises(ValueError, match="ttft_s"):
+        load_slo(str(path))

@@ -1,0 +1,77 @@
+"""`pdserve plan size` picks the fewest workers that meet the SLO, its cheaper neighbours miss, the P:D
+ratio follows the workload; the CLI's tables; the profile's fit recovers known constants."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from control.cli import main as pdserve
+from planner.profile import EngineSettings
+from planner.profiler import DECODE_OUTPUT, fit_profile, prefill_features
+from planner.results import SLO
+from planner.sizing import size
+from planner.trace import Trace, TraceRequest
+from tests.planner.test_simulator import profile
+
+
+def shaped(prompt: int, output: int, rate: float, n: int = 80) -> Trace:
+    return Trace(tuple(TraceRequest(i / rate, prompt, output) for i in range(n)), f"{prompt}x{output}")
+
+
+def test_the_pick_meets_the_slo_and_its_cheaper_neighbours_do_not():
+    slo = SLO(ttft_s=1.0, itl_s=0.05)
+    plan = size(profile(), shaped(512, 64, rate=6.0), slo, max_pool_size=16, colocated=False)
+    assert plan.best is not None and plan.best.meets(slo)
+    p, d = plan.best.layout.prefill_workers, plan.best.layout.decode_workers
+    done = {c.layout.label: c for c in plan.searched}
+    for cheaper in (f"{p - 1}p{d}d", f"{p}p{d - 1}d"):
+        if cheaper in done:
+            assert not done[cheaper].meets(slo), cheaper
+    assert all(not c.meets(slo) for c in plan.searched if c.workers < plan.best.workers)
+
+
+def test_long_prompts_need_more_prefill_workers_and_long_outputs_more_decode_workers():
+    slo = SLO(ttft_s=1.5, itl_s=0.05)
+    prompts = size(profile(), shaped(1024, 16, rate=4.0), slo, max_pool_size=16, colocated=False).best
+    outputs = size(profile(), shaped(64, 400, rate=4.0), slo, max_pool_size=16, colocated=False).best
+    assert prompts is not None and outputs is not None
+    ratio = lambda c: c.layout.prefill_workers / c.layout.decode_workers
+    assert ratio(prompts) > 1 > ratio(outputs)
+
+
+def test_the_plan_and_simulate_commands_print_their_tables_and_write_json(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    profile().save(path)
+    out = tmp_path / "plan.json"
+    code = pdserve(["plan", "size", "--profile", str(path), "--workload", "chat", "--rate", "2",
+                    "--num-requests", "40", "--ttft-slo", "1", "--itl-slo", "0.1", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "the pick" in text and "layouts simulated" in text
+    best = json.loads(out.read_text())["best"]
+    assert best in text
+    code = pdserve(["plan", "simulate", "--profile", str(path), "--layout", "1p1d", "2c", "--workload", "burst",
+                    "--rate", "1", "--num-requests", "20"])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0 and [line.split()[0] for line in lines[1:]] == ["1p1d", "2c"]
+    assert pdserve(["plan", "simulate", "--profile", str(tmp_path / "missing.json")]) == 2
+
+
+def test_the_fit_recovers_the_constants_that_made_the_samples():
+    truth, engine = profile(), EngineSettings()
+    p, d = truth.prefill, truth.decode
+    prefill = []
+    for n in (32, 128, 256, 512, 1024, 1280):
+        steps, tokens, pairs = prefill_features(n, 0, engine.prefill_chunk_tokens)
+        seconds = steps * p.step_s + tokens * p.token_s + pairs * 1e-7
+        prefill.append({"prompt_len": n, "cached": 0, "ttft_s": seconds + 0.004, "server_queue_s": 0.0,
+                        "server_prefill_s": seconds, "kv_transfer_s": 0.001})
+    decode = [{"batch": b, "prompt_len": n, "gap_p50_s": d.step(b, int(b * (n + DECODE_OUTPUT / 2)))}
+              for b, n in ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (2, 768), (8, 768))]
+    fitted = fit_profile({"prefill": prefill, "cached": [], "decode": decode}, engine, 1000, "test", 0.0, None, 2)
+    assert fitted.prefill.step_s == pytest.approx(p.step_s, rel=1e-6)
+    assert fitted.prefill.token_s == pytest.approx(p.token_s, rel=1e-6)
+    assert fitted.prefill.attention_s == pytest.approx(1e-7, rel=1e-6)
+    assert (fitted.decode.step_s, fitted.decode.seq_s) == pytest.approx((d.step_s, d.seq_s), rel=1e-6)
+    assert fitted.router.request_s == pytest.approx(0.004)
