@@ -9,6 +9,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,6 +41,8 @@ from router.wire import add_parsing_safely
 
 logger = logging.getLogger("pdserve")
 SERVICE = "pdserve.v1.Generation"
+# of the shutdown grace, what is kept back from the drain for stopping the workers and the Ray cluster
+_STOP_RESERVE_S = 8.0
 
 
 class ServeError(RuntimeError):
@@ -79,6 +83,7 @@ class Server:
         self._exit: asyncio.Task | None = None  # a stop this server started itself (`pdserve stop`, deposed)
         self._stopped = False
         self._serving = False
+        self._launched: dict[str, Any] = {}  # worker id -> its Ray actor, from creation on (lead, one router)
 
     async def start(self) -> None:
         """Open the doors (gRPC, metrics, HTTP; NOT_SERVING until the pools are up), start the pools and the
@@ -192,7 +197,8 @@ class Server:
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
         self.registry = WorkerRegistry()
         self.router = Router(c.router_config(), self.registry, observer=self.observer)
-        launch = self.shared.launcher(self.router_id) if replicated else ray_launcher(kv_config, lease_s)
+        launch = (self.shared.launcher(self.router_id) if replicated
+                  else ray_launcher(kv_config, lease_s, on_launch=self._on_launch))
         self.pools = PoolManager(c.pool_specs(), self.registry, launch,
                                  LivenessConfig(worker_timeout_s=c.worker_timeout),
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
@@ -207,6 +213,23 @@ class Server:
             self.admin.drain_elsewhere = self.replicas.drain_worker
             log(f"starting {c.routers - 1} more router replica(s) on port {self.port}...")
             await self.replicas.start()
+
+    def _on_launch(self, worker_id: str, actor: Any) -> None:
+        """Every worker actor as soon as it is created: a stop must reach it even before it is ready."""
+        self._launched[worker_id] = actor
+        if self._stopped:  # launched while stopping (a start that was under way)
+            self.kill_workers_now()
+
+    def kill_workers_now(self) -> None:
+        """End every worker actor this server started, at once, ready or still loading its model (a signal
+        during start-up; a stop past its deadline). Their pending calls fail, which ends a start under way."""
+        import ray
+
+        if not self.leading:  # deposed: the workers are the new lead's
+            return
+        for actor in self._launched.values():
+            with contextlib.suppress(Exception):  # already dead, or Ray is going down
+                ray.kill(actor, no_restart=True)
 
     async def _watch_health(self) -> None:
         """SERVING while every pool has a live worker and the server admits requests; NOT_SERVING else."""
@@ -374,20 +397,70 @@ def log(msg: str) -> None:
 
 
 async def serve_forever(config: ServeConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully (see `Server.shutdown`)."""
-    init_ray(config.ray_address, config.num_workers)
-    server = Server(config)
-    stop = asyncio.Event()
+    """Serve until SIGTERM or SIGINT, then stop gracefully (see `Server.shutdown`), all within
+    `config.shutdown_grace` of the signal, start-up included: a signal while the workers load kills them."""
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signalled_at: list[float] = []  # loop time of the first signal
+
+    def on_signal() -> None:
+        if not signalled_at:
+            signalled_at.append(loop.time())
+        stop.set()
+
+    init_ray(config.ray_address, config.num_workers)
+    # NOTE: after `init_ray`: Ray installs its own SIGTERM handler (it dumps a stack and dies) in `ray.init`
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
+    server = Server(config)
+    signalled = asyncio.ensure_future(stop.wait())
+
+    def deadline() -> float:
+        return signalled_at[0] + config.shutdown_grace if signalled_at else loop.time() + _STOP_RESERVE_S
+
     try:
-        await server.start()  # (a failed start is stopped below: nothing it started is left running)
-        signalled = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([signalled, asyncio.ensure_future(server.stopped.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
-        if signalled.done():
-            log("signal received: draining")
-            await server.shutdown()
+        if await _start_unless_signalled(server, signalled):
+            await asyncio.wait([signalled, asyncio.ensure_future(server.stopped.wait())],
+                               return_when=asyncio.FIRST_COMPLETED)
+            if signalled.done():
+                log("signal received: draining")
+                await _stop_by(server.shutdown(_drain_budget(config.shutdown_grace)), server, deadline())
     finally:
-        await server.stop()  # idempotent: a no-op after a graceful shutdown
+        # idempotent: a no-op after a graceful shutdown; stops a failed or interrupted start
+        await _stop_by(server.stop(), server, deadline())
+        signalled.cancel()
+
+
+async def _start_unless_signalled(server: Server, signalled: asyncio.Future) -> bool:
+    """Start `server`; True once it serves. A signal first: kill the workers being started and say False.
+
+    NOTE: a start waits for every worker to load its model (a minute for 1P+2D on this 2-core machine), and
+    the pool manager lets every worker start run to its end even when its start is cancelled: killing the
+    actors is what makes those starts end now."""
+    starting = asyncio.ensure_future(server.start())
+    await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        starting.result()  # a failed start raises here (ServeError: the message says what to change)
+        return True
+    log("signal received during start-up: stopping the workers being started")
+    server.kill_workers_now()
+    starting.cancel()
+    with contextlib.suppress(BaseException):  # cancelled, or failed as its workers died: either is expected
+        await asyncio.wait_for(starting, _STOP_RESERVE_S)
+    return False
+
+
+async def _stop_by(stopping: Coroutine[Any, Any, None], server: Server, deadline: float) -> None:
+    """Run `stopping` (the server's shutdown or stop) until `deadline` (loop time, less a second for the Ray
+    cluster to go down); past it, or after it, kill the workers the server started."""
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(stopping, max(0.0, deadline - loop.time() - 1.0))
+    except asyncio.TimeoutError:
+        log("shutting down: stopping took past the shutdown grace; killing the workers")
+    server.kill_workers_now()  # (no-op for workers the stop ended; catches any launched while it ran)
+
+
+def _drain_budget(grace_s: float) -> float:
+    """Of the shutdown grace, how long in-flight requests may take: the rest stops the workers and Ray."""
+    return max(0.0, grace_s - min(_STOP_RESERVE_S, grace_s / 2))

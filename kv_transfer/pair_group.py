@@ -5,6 +5,9 @@ default world, which a pool that grows and shrinks never has. gloo carries every
 and, unless both caches are on different GPUs, the layers too; there, an NCCL group over the same prefix
 carries the layers, and is only ever asked to receive what a gloo header announced.
 
+Once formed, the group's gloo listener is sealed (`listener_seal`): connections that are not this pair's
+are dropped, instead of piling up in gloo.
+
 Every wait is bounded. NOTE: a gloo wait that times out closes the whole pair (gloo cannot cancel one
 pending op), which the peer sees as a closed connection: a timed-out op means a dead link, on both sides.
 """
@@ -12,6 +15,7 @@ pending op), which the peer sees as a closed connection: a timed-out op means a 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from datetime import timedelta
@@ -20,10 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store, Work
 
+from kv_transfer import listener_seal
 from kv_transfer.wire import LinkError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroupNCCL  # only in CUDA builds of torch
+
+log = logging.getLogger(__name__)
 
 SENDER_RANK, RECEIVER_RANK = 0, 1
 # sender -> receiver messages, receiver -> sender replies, sender -> receiver payloads too large for a message.
@@ -65,6 +72,19 @@ class PairGroup:
             self.close()
             self.forget_rendezvous()
             raise LinkError(f"cannot form the pair group {prefix}: {_short(e)}") from e
+        self._seal_listener(rank, host)
+
+    def _seal_listener(self, rank: int, host: str) -> None:
+        """Stop gloo's listener taking connections: the pair is connected (the constructor returned).
+        NOTE: reads this rank's rendezvous key, which the receiver deletes only after the first message
+        (`forget_rendezvous`), so it is still there on both sides."""
+        try:
+            advertised = self._store.get(self._rendezvous_keys()[rank])
+        except RuntimeError as e:  # the store is gone: the link works, its listener stays open
+            log.warning("KV link %s: cannot read its gloo address to seal the listener: %s", self._prefix,
+                        _short(e))
+            return
+        listener_seal.seal(advertised, host)
 
     def isend(self, t: torch.Tensor, tag: int) -> PendingOp:
         """Post a gloo send of a contiguous CPU tensor (kept alive until the op is waited for)."""
@@ -113,7 +133,7 @@ class PairGroup:
         the keys this is a no-op; NCCL's unique-id key is left (its name is NCCL's business, and there was
         no GPU to check it on): one small key per NCCL link.
         """
-        store, keys = self._store, [f"{self._prefix}/gloo/0/{rank}" for rank in (SENDER_RANK, RECEIVER_RANK)]
+        store, keys = self._store, self._rendezvous_keys()
 
         def forget() -> None:
             for key in keys:
@@ -121,6 +141,10 @@ class PairGroup:
                     store.delete_key(key)
 
         threading.Thread(target=forget, daemon=True, name="kv-rendezvous-cleanup").start()
+
+    def _rendezvous_keys(self) -> list[str]:
+        """gloo's address key of each rank, by rank (see `forget_rendezvous`)."""
+        return [f"{self._prefix}/gloo/0/{rank}" for rank in (SENDER_RANK, RECEIVER_RANK)]
 
     def close(self) -> None:
         """Drop the groups. The peer's pending ops fail at once (closed connection), provided the link

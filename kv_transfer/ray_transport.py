@@ -23,6 +23,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from engine.kv_cache import KVCache
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.frame_limits import MAX_COALESCED_BYTES
 from kv_transfer.ray_inbox import process_inbox
 from kv_transfer.receiver import LayerwiseReceiver
 from kv_transfer.rendezvous import device_tag
@@ -61,7 +62,7 @@ def _as_tensor(array: Any) -> torch.Tensor:
 class RaySendLink(SendLink):
     def __init__(self, sender_id: str, dst: PeerAddress, config: KVTransferConfig) -> None:
         self.payload_device = torch.device("cpu")
-        self.max_message_bytes = 64 << 20  # the object store favours few, large objects
+        self.max_message_bytes = MAX_COALESCED_BYTES  # the object store favours few, large objects
         self._sender_id = sender_id
         self._link_id = uuid.uuid4().hex
         self._dst = dst

@@ -6,6 +6,11 @@ scatters each LAYER message (one layer, or a few consecutive ones) straight into
 non-contiguous destination blocks, and finishes the transfer when every layer has landed. Replies (PONG,
 ACK, NACK) are queued per link and sent by the link's own thread (`take_replies`), so only that thread
 ever writes to a link.
+
+Before any payload is read (or a buffer for it allocated), `admit` checks its header against what the link
+may send (see `frame_limits`): a LAYER only for a transfer begun on this link, of whole layers of it. A
+transfer that ended here (failed, refused, aborted) is remembered per link (`_retired`), so its sender's
+layers still in flight are drained and dropped instead of breaking the link.
 """
 
 from __future__ import annotations
@@ -22,10 +27,18 @@ from engine.kv_cache import KVCache
 from kv_transfer.base import KVReceiver, TransferStatus
 from kv_transfer.book import BookKeeper, TransferBook, TransferState
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.frame_limits import (
+    MAX_ABORT_BYTES,
+    check_bare,
+    check_layer,
+    clip_reason,
+    max_descriptor_bytes,
+)
 from kv_transfer.layout import LayoutMismatch, TransferDescriptor, from_bytes, scatter_layers
 from kv_transfer.wire import Header, LinkError, MsgKind, RecvLink
 
 _MAX_ENDED = 4096
+_MAX_RETIRED = 1024  # per link: ended transfers whose late layers are still drained (far more than in flight)
 
 
 @dataclass(eq=False)
@@ -49,6 +62,10 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
         self._book: TransferBook[_RecvState] = TransferBook(f"kv-recv-{endpoint_id}", self._on_expire)
         self._lock = self._book.lock
         self._bound: dict[RecvLink, dict[int, _RecvState]] = {}  # link -> seq -> transfer
+        # link -> seq -> descriptor of a transfer begun on it that ended here: its late layers are dropped
+        self._retired: dict[RecvLink, OrderedDict[int, TransferDescriptor]] = {}
+        self._max_descriptor_bytes = max_descriptor_bytes(cache.num_blocks)
+        self._max_layer_nbytes = cache.tensor[0].numel() * cache.tensor.element_size()  # one layer, every block
         self._replies: dict[RecvLink, list[tuple[Header, bytes]]] = {}
         # why recent transfers failed before their sender began, so a late BEGIN is refused with the reason
         self._ended: OrderedDict[str, str] = OrderedDict()
@@ -88,10 +105,33 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
 
     # ---- called by the transport's link threads ----
 
+    def admit(self, link: RecvLink, header: Header) -> None:
+        """Raise LinkError unless `header` is a message `link` may send now, its `nbytes` within what that
+        message can carry. A transport calls this before it allocates anything for the payload."""
+        sender = f"sender {link.peer_id!r}"
+        kind = header.kind
+        if kind in (MsgKind.PING, MsgKind.BYE):
+            check_bare(header, 0, sender)
+        elif kind == MsgKind.BEGIN:
+            check_bare(header, self._max_descriptor_bytes, sender)
+        elif kind == MsgKind.ABORT:
+            check_bare(header, MAX_ABORT_BYTES, sender)
+        elif kind == MsgKind.LAYER:
+            with self._lock:
+                state = self._bound.get(link, {}).get(header.seq)
+                desc = state.descriptor if state is not None else self._retired.get(link, {}).get(header.seq)
+            if desc is None:
+                raise LinkError(f"{sender} sent a LAYER ({header.nbytes} bytes) for transfer seq {header.seq}, "
+                                "which it never began on this link")
+            check_layer(header, desc, sender)
+        else:
+            raise LinkError(f"unexpected {kind.name} from {sender}")
+
     def handle(self, link: RecvLink, header: Header, read_payload: Callable[[], torch.Tensor]) -> None:
-        """Dispatch one message from `link`. `read_payload()` returns its payload as flat uint8 (valid until
-        the link's next message) and may be called once; the transport discards a payload left unread.
-        Raises LinkError when the link is broken or the sender broke the protocol."""
+        """Dispatch one message from `link` (checked by `admit` first). `read_payload()` returns its payload
+        as flat uint8 (valid until the link's next message) and may be called once; the transport discards a
+        payload left unread. Raises LinkError when the link is broken or the sender broke the protocol."""
+        self.admit(link, header)
         kind = header.kind
         if kind == MsgKind.PING:
             with self._lock:
@@ -113,8 +153,6 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
                     if state is None or state.link is not None or state.peer_id != link.peer_id:
                         return
                 self._fail_locked(state, f"the sender gave up: {reason}", tell_peer=False)
-        else:
-            raise LinkError(f"unexpected {kind.name} from sender {link.peer_id!r}")
 
     def take_replies(self, link: RecvLink) -> list[tuple[Header, bytes]]:
         with self._lock:
@@ -127,6 +165,7 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
                 self._finish_locked(state, f"transfer {state.request_id!r}: link from sender "
                                            f"{link.peer_id!r} broke: {reason}")
             self._replies.pop(link, None)
+            self._retired.pop(link, None)
 
     # ---- messages ----
 
@@ -150,6 +189,7 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
                 refusal = f"transfer {desc.request_id!r} was already begun"
             if refusal is not None:
                 self._reply_locked(link, Header(MsgKind.NACK, seq), refusal.encode())
+                self._retire_locked(link, seq, desc)
                 return
             assert state is not None
             state.link, state.seq = link, seq
@@ -157,6 +197,7 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
                 desc.check_fits(self.cache.spec, state.block_ids)
             except LayoutMismatch as e:
                 self._fail_locked(state, f"transfer {desc.request_id!r} refused: {e}", tell_peer=True)
+                self._retire_locked(link, seq, desc)
                 return
             state.descriptor = desc
             self._bound.setdefault(link, {})[seq] = state
@@ -168,14 +209,9 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
             if state is None:
                 return  # ended here already (failed or aborted): drop the bytes
             desc = state.descriptor
-            assert desc is not None and state.dst_index is not None
-            count, rest = divmod(header.nbytes, desc.layer_nbytes)
-            if rest or count < 1 or not desc.layer_start <= header.layer <= desc.layer_stop - count:
-                self._fail_locked(state, f"transfer {state.request_id!r}: malformed layer message (layer "
-                                         f"{header.layer}, {header.nbytes} bytes)", tell_peer=True)
-                return
+            assert desc is not None and state.dst_index is not None  # (and `admit` checked the size)
         packed = from_bytes(read_payload(), desc)  # [count, 2, n, block_size, num_kv_heads, head_dim]
-        layers = range(header.layer, header.layer + count)
+        layers = range(header.layer, header.layer + packed.shape[0])
         if time.monotonic() > state.deadline:
             # NOTE: a layer arriving late never lands, even if the watchdog has not run yet (e.g. this
             # process was paused): the sender already gave up on its own deadline.
@@ -218,6 +254,8 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
             return False
         if state.link is not None:
             self._bound.get(state.link, {}).pop(state.seq, None)
+            if state.descriptor is not None:
+                self._retire_locked(state.link, state.seq, state.descriptor)
         elif error is not None:
             self._ended[state.request_id] = error
             while len(self._ended) > _MAX_ENDED:
@@ -229,7 +267,19 @@ class LayerwiseReceiver(BookKeeper, KVReceiver):
             self._reply_locked(state.link, Header(MsgKind.NACK, state.seq), reason.encode())
 
     def _reply_locked(self, link: RecvLink, header: Header, payload: bytes) -> None:
+        payload = clip_reason(payload)
         self._replies.setdefault(link, []).append((header._replace(nbytes=len(payload)), payload))
+
+    def _retire_locked(self, link: RecvLink, seq: int, desc: TransferDescriptor) -> None:
+        """Remember a transfer begun on `link` that ended here, so its late layers are dropped, not taken
+        for a protocol violation. Only if one of its layers is no larger than one of this whole cache: a
+        refused descriptor may claim any size, and a payload is received (allocated) before it is dropped."""
+        if desc.layer_nbytes > self._max_layer_nbytes:
+            return
+        retired = self._retired.setdefault(link, OrderedDict())
+        retired[seq] = desc
+        while len(retired) > _MAX_RETIRED:
+            retired.popitem(last=False)
 
     def _on_expire(self, state: _RecvState) -> None:
         if state.descriptor is None:

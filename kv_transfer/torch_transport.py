@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import enum
+import functools
 import logging
 import queue
 import threading
@@ -34,6 +35,7 @@ from torch.distributed import DistStoreError
 
 from engine.kv_cache import KVCache
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.frame_limits import MAX_COALESCED_BYTES, check_reply, clip_reason
 from kv_transfer.pair_group import (
     RECEIVER_RANK,
     SENDER_RANK,
@@ -69,7 +71,7 @@ _WINDOW = 4  # messages a sending link holds (handed over, not yet out) before `
 _SLOT_BYTES = 4 << 20
 _RECV_SLOTS = 4
 _FRAME_BYTES = 8 * (HEADER_LEN + 1)
-_MAX_NCCL_MESSAGE = 64 << 20  # layers coalesced into one NCCL message stay under this
+_MAX_NCCL_MESSAGE = MAX_COALESCED_BYTES  # layers coalesced into one NCCL message stay under this
 
 
 class _Where(enum.IntEnum):
@@ -233,6 +235,7 @@ class TorchSendLink(SendLink):
         self._next_reply = None
         op.wait(self._config.liveness_s)
         header = Header.from_tensor(op.tensor)
+        check_reply(header, "the receiver")  # before its reason is allocated
         payload = torch.empty(header.nbytes, dtype=torch.uint8)
         if header.nbytes:
             self._group.irecv(payload, TAG_REPLY).wait(self._config.op_timeout_s)
@@ -280,13 +283,15 @@ class TorchRecvLink(RecvLink):
         for _ in range(_RECV_SLOTS):
             self._post(torch.empty(_SLOT_BYTES, dtype=torch.uint8))
 
-    def recv(self) -> _Incoming:
-        """The next message; a payload that did not come inside it is then being received."""
+    def recv(self, admit: Callable[[Header], None]) -> _Incoming:
+        """The next message; a payload that did not come inside it is then being received. `admit(header)`
+        raises LinkError for a header the link may not send (checked before any buffer is allocated)."""
         op = self._posted.popleft()
         op.wait(self._config.liveness_s)  # the sender pings at least every keepalive_s
         slot = op.tensor
         frame = slot[:_FRAME_BYTES].view(torch.int64)
         header = Header.from_tensor(frame[:HEADER_LEN])
+        admit(header)
         if not header.nbytes:  # a bare header
             self._post(slot)
             return _Incoming(header)
@@ -321,6 +326,7 @@ class TorchRecvLink(RecvLink):
             self._post(incoming.slot)
 
     def send_reply(self, header: Header, payload: bytes) -> None:
+        payload = clip_reason(payload)
         ops = [self._group.isend(header._replace(nbytes=len(payload)).to_tensor(), TAG_REPLY)]
         if payload:
             ops.append(self._group.isend(bytes_tensor(payload), TAG_REPLY))
@@ -463,7 +469,7 @@ class TorchKVReceiver(LayerwiseReceiver):
         first, orderly = True, False
         try:
             while True:
-                incoming = link.recv()
+                incoming = link.recv(functools.partial(self.admit, link))
                 if first:  # both sides have formed the group: its rendezvous keys have served
                     group.forget_rendezvous()
                     first = False

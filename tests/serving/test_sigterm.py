@@ -7,6 +7,7 @@ one on purpose: a second cluster on the machine must not be joined by mistake.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -71,4 +72,79 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(ray_cluster):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live process below `pid` (children, their children, ...): pid -> command line."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = {}, list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                found[child] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        todo.extend(children.get(child, []))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, already dead and waiting for its parent to reap it, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_while_the_workers_load_ends_serve_within_the_grace_and_leaves_no_process():
+    """1P+2D workers loading their model when SIGTERM comes: `pdserve serve` exits within --shutdown-grace
+    (before, it waited for every worker to finish loading, then drained), and no process it started (the
+    workers, Ray's own) is alive afterwards."""
+    grace = 12.0
+    tmp = Path(tempfile.mkdtemp(prefix="pdsigw", dir="/tmp"))  # short: Ray's socket paths must fit AF_UNIX
+    env = {**os.environ, "RAY_TMPDIR": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-m", "control.cli", "serve", "--model", "tiny-random", "--port",
+                             str(_free_port()), "--metrics-port", "off", "--http-port", "0",
+                             "--worker-threads", "1", "--num-blocks", "256", "--prefill-workers", "1", "--decode-workers", "2",
+                             "--shutdown-grace", str(grace)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # until all three worker actors exist (they are loading: the log has not said "serving")
+            started = _descendants(proc.pid)
+            workers = [pid for pid, cmd in started.items() if "Worker" in cmd and cmd.startswith("ray::")]
+            if len(workers) >= 3:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log[-30:])
+            time.sleep(0.05)
+        assert not any("pdserve: serving" in line for line in log), "the workers loaded before the signal"
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(grace + 30) == 0, "".join(log[-30:])
+        took = time.monotonic() - signalled
+        assert took <= grace, f"exited {took:.1f}s after SIGTERM; --shutdown-grace is {grace}s"
+        assert "signal received during start-up" in "".join(log)
+        left = {pid: cmd for pid, cmd in started.items() if _alive(pid)}
+        assert not left, left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pid in _descendants(proc.pid):  # (none, unless the test failed)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(tmp, ignore_errors=True)
