@@ -65,7 +65,7 @@ class Door:
         if salt == req.cache_salt and priority == req.priority:
             return req
         return dataclasses.replace(req, cache_salt=salt, priority=priority,
-                                   params=dataclasses.replace(req.params, cache_salt=salt))
+                                   params=dataclasses.replace(req.params, cache_salt=salt, priority=priority))
 
     def admit(self, tenant: Tenant, req: ValidatedRequest) -> Ticket:
         """The request's hold on its tenant's quota; QuotaExceeded names the limit it would pass."""

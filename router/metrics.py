@@ -175,16 +175,14 @@ class Metrics(RequestObserver):
                                   "its next replacement worker: above 0 after failed starts or in a crash loop.",
                                   ["model", "pool"], registry=r)
 
-        self.stalled = Counter(
-            "pdserve_stalled_streams_cancelled_total", "Streams cancelled because their client took no token "
-            "for --stalled-stream-timeout (their blocks freed), by door: grpc, http.", ["model", "door"], registry=r)
-        self.quota_refused = Counter(
-            "pdserve_quota_refused_total", "Requests refused at the door over their tenant's limit, by tenant "
-            "and limit.", ["model", "tenant", "limit"], registry=r)
-        for door in ("grpc", "http"):
-            self.stalled.labels(model, door)
+        self.stalled = Counter("pdserve_stalled_streams_cancelled_total", "Streams whose client took no token for "
+                               "--stalled-stream-timeout, cancelled (blocks freed).", ["model", "door"], registry=r)
+        self.quota_refused = Counter("pdserve_quota_refused_total", "Requests refused at the door over a tenant's "
+                                     "limit.", ["model", "tenant", "limit"], registry=r)
         for outcome in OUTCOMES:  # zero series exist from the start, so rate() and dashboards see them
             self.requests.labels(model, outcome)
+        for door in ("grpc", "http"):
+            self.stalled.labels(model, door)
         for cause in MIGRATION_CAUSES:
             for method in MIGRATION_METHODS:
                 self.migrations.labels(model, cause, method)

@@ -152,6 +152,7 @@ def validate_request(request: pb.GenerateRequest, limits: Limits, tokenizer: Pro
         raise InvalidArgument("sampling.max_tokens", f"must be at most the context length "
                               f"{limits.max_model_len}, got {sampling.max_tokens}")
 
+    priority = request.priority if request.HasField("priority") else MAX_PRIORITY
     input_field, prompt_token_ids = _prompt(request, limits, tokenizer)
     n = len(prompt_token_ids)
     if n >= limits.max_model_len:
@@ -175,10 +176,10 @@ def validate_request(request: pb.GenerateRequest, limits: Limits, tokenizer: Pro
         ignore_eos=sampling.ignore_eos,
         disable_speculation=sampling.disable_speculation,
         cache_salt=request.cache_salt,
+        priority=priority,
     )
     return ValidatedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, stop=stop,
-                            cache_salt=request.cache_salt,
-                            priority=request.priority if request.HasField("priority") else MAX_PRIORITY)
+                            cache_salt=request.cache_salt, priority=priority)
 
 
 def _too_long(field: str, num_tokens: int, limits: Limits) -> InvalidArgument:

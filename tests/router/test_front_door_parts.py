@@ -149,3 +149,38 @@ def test_the_stall_watch_cancels_a_blocked_hand_over_and_closes_its_stream():
         await watch.close()
 
     asyncio.run(main())
+
+
+def test_the_admission_queue_serves_higher_classes_first_and_sheds_the_lowest():
+    from router.admission import Admission
+    from router.config import RouterConfig
+    from router.observer import RequestObserver
+    from router.pool import WorkerRegistry
+    from router.shared import RouterError, Shared
+
+    async def main():
+        admission = Admission(Shared(RouterConfig(max_queue=2), WorkerRegistry(), RequestObserver()))
+        order: list[str] = []
+
+        async def wait(name: str, priority: int):
+            try:
+                await admission._queue_for_room(1, time.time() + 10, priority)
+                order.append(name)
+            except RouterError as e:
+                order.append(f"{name}: {e.code}")
+
+        low_a = asyncio.ensure_future(wait("low-a", 0))
+        high = asyncio.ensure_future(wait("high", 5))
+        await asyncio.sleep(0.05)
+        # the queue is full (2): a class-9 request sheds the newest of the lowest class, low-a
+        top = asyncio.ensure_future(wait("top", 9))
+        await asyncio.sleep(0.05)
+        assert order == ["low-a: RESOURCE_EXHAUSTED"]
+        # a class-0 request finds the queue full of higher classes: refused at once
+        await wait("low-b", 0)
+        assert order[-1] == "low-b: RESOURCE_EXHAUSTED"
+        admission.shared.room.set()  # room: the highest class goes first, then the next
+        await asyncio.gather(low_a, high, top)
+        assert order[2:] == ["top", "high"]
+
+    asyncio.run(main())
