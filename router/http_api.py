@@ -39,7 +39,7 @@ from router.router import Router, RouterError
 from router.security import TLSConfig
 from router.sse import SSEResponse, api_error, sse_events, usage
 from router.streaming import TextChunk, stream_text
-from router.tenants import Tenant
+from router.tenants import KeyTable, Tenant
 from router.validation import InvalidArgument, Limits, ValidatedRequest
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,6 @@ class HttpDoor:
                  api_key: str | None = None, serving: Callable[[], bool] = lambda: True,
                  door: Door | None = None, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         """`door`: shared with the gRPC servicer (else one of its own, keyed by `api_key`)."""
-        from router.tenants import KeyTable
-
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.limits = limits
