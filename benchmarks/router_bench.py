@@ -177,7 +177,6 @@ def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | Non
         from engine.tokenizer import Tokenizer
         from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
         from router.metrics import Metrics
-        from router.placement import PoolKind
         from router.registry import WorkerRegistry, make_worker
         from router.router import Router, RouterConfig
         from router.servicer import GenerationServicer
@@ -192,8 +191,8 @@ def _router_process(port_q: mp.Queue, stop_ev, step_s: float, profile: str | Non
         registry = WorkerRegistry()
         router = Router(RouterConfig(block_size=BLOCK, max_queue=100_000), registry, metrics)
         Prefill, Decode = _fake_worker_classes()
-        for client, kind in ((Prefill("prefill-0"), PoolKind.PREFILL), (Decode("decode-0", step_s), PoolKind.DECODE)):
-            registry.add(make_worker(await client.info(), client, kind))
+        for client in (Prefill("prefill-0"), Decode("decode-0", step_s)):
+            registry.add(make_worker(await client.info(), client))
         servicer.router = router
         server = grpc.aio.server()
         pb_grpc.add_GenerationServicer_to_server(servicer, server)

@@ -121,6 +121,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     sec.add_argument("--api-key", default=None,
                      help="require 'authorization: Bearer KEY' on every call but health "
                           "(default: $PDSERVE_API_KEY; prefer the variable: flags show in `ps`)")
+    sec.add_argument("--api-keys", default=None, metavar="FILE",
+                     help="YAML/JSON key file: tenants, their keys, roles (client/admin) and limits (concurrent "
+                          "requests, queued prompt tokens, tokens per minute, priority class, cache salt); "
+                          "reloaded when it changes (docs/security.md). --api-key beside it is an admin key")
+    sec.add_argument("--stalled-stream-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="cancel a stream whose client takes no token for this long, freeing its KV blocks "
+                          "(default 30)")
+    sec.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="close an HTTP connection whose request head has not arrived in this long (default 10)")
     p.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port, bound on --host (default 9400; 0: any free port; "
                         "'off': no endpoint)")
@@ -177,6 +186,8 @@ def serve_config(args: argparse.Namespace):
         late_reservation=args.late_reservation,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
+        api_keys=args.api_keys, stalled_stream_timeout=args.stalled_stream_timeout,
+        http_header_timeout=args.http_header_timeout,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,

@@ -23,6 +23,7 @@ from router.cost_model import CostPriors
 from router.pool import PoolSpec
 from router.router import RouterConfig
 from router.security import TLSConfig
+from router.tenants import ANONYMOUS, KeyTable
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ class ServeConfig:
     tls_key: str | None = None  # ... and private key
     tls_client_ca: str | None = None  # mutual TLS: clients must present a certificate this CA signed
     api_key: str | None = field(default=None, repr=False)  # every call but health needs "Bearer <key>"
+    # a key file naming tenants, their keys, roles and limits (router.tenants); reloaded when it changes
+    api_keys: str | None = None
+    # a stream whose client takes no token for this long is cancelled and its blocks freed (router.stall_watch)
+    stalled_stream_timeout: float = 30.0
+    http_header_timeout: float = 10.0  # an HTTP request's head must arrive within this (slowloris)
     routers: int = 1  # router replicas sharing --port (and --http-port) over the same pools
     routers_spread: bool = False  # place the other replicas over the nodes, not on this one
     max_pool_size: int = 64  # the most workers `pdserve scale` may ask of one pool
@@ -113,6 +119,10 @@ class ServeConfig:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty")
+        if not self.stalled_stream_timeout > 0:
+            raise ValueError(f"--stalled-stream-timeout must be > 0 seconds, got {self.stalled_stream_timeout}")
+        if not self.http_header_timeout > 0:
+            raise ValueError(f"--http-header-timeout must be > 0 seconds, got {self.http_header_timeout}")
         if self.worker_timeout <= 0.5:
             raise ValueError(f"--worker-timeout must be > 0.5 seconds (the heartbeat interval), got "
                              f"{self.worker_timeout}")
@@ -195,6 +205,16 @@ class ServeConfig:
             return None
         return TLSConfig(Path(self.tls_cert), Path(self.tls_key),
                          Path(self.tls_client_ca) if self.tls_client_ca else None)
+
+    def key_table(self) -> KeyTable | None:
+        """The keys the doors accept: --api-keys (checked here, at start: ValueError names the file) plus
+        --api-key as the `default` tenant's admin key; None when neither is set (no key required)."""
+        if self.api_keys is None:
+            return KeyTable.single(self.api_key) if self.api_key else None
+        table = KeyTable.from_file(self.api_keys)
+        if self.api_key:
+            table.add(self.api_key, ANONYMOUS)
+        return table
 
     def router_config(self, router_id: RouterId = None) -> RouterConfig:
         return RouterConfig(self.kv_block_size, self.routing, self.max_queue, self.admission_timeout_s,

@@ -28,6 +28,7 @@ from protocol.messages import RouterId
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.door import Door
 from router.http_api import HttpDoor, HttpServer
 from router.metrics import Metrics, MetricsEndpoint
 from router.observer import RequestObserver
@@ -36,6 +37,7 @@ from router.registry import WorkerRegistry
 from router.router import Router
 from router.security import ApiKeyInterceptor, TLSConfig
 from router.servicer import GenerationServicer
+from router.stall_watch import StallWatch
 from router.validation import Limits
 from router.wire import add_parsing_safely
 
@@ -106,19 +108,26 @@ class Server:
         self._tasks.append(asyncio.ensure_future(self._watch_health()))
         door = ("mutual TLS" if tls.client_ca else "TLS") if tls is not None else "plaintext"
         log(f"serving {c.model} on {c.host}:{self.port} ({door}, "
-            f"{'API key required' if c.api_key else 'no API key'})")
+            f"{'API key required' if c.api_key or c.api_keys else 'no API key'})")
 
     def _admin_servicer(self) -> admin_pb2_grpc.AdminServicer:
         return AdminServicer()
 
     async def _open_doors(self, tokenizer: Tokenizer, limits: Limits) -> TLSConfig | None:
         c = self.config
-        servicer = GenerationServicer(c.model, tokenizer, limits, c.kv_block_size, self.observer)
+        try:
+            keys = c.key_table()
+        except ValueError as e:
+            raise ServeError(str(e)) from e
+        observer = self.observer or RequestObserver()
+        # one door for both: a tenant's quotas count its requests on either
+        self.door = Door(limits, tokenizer, keys, StallWatch(c.stalled_stream_timeout, observer.on_stalled_stream))
+        servicer = GenerationServicer(c.model, tokenizer, limits, c.kv_block_size, self.observer, self.door)
         self.servicer = servicer
 
         # NOTE: gRPC sets SO_REUSEPORT by default, which would let a second deployment bind a taken port and
         # silently take half its connections: only router replicas share a port
-        self.grpc = grpc.aio.server(interceptors=[ApiKeyInterceptor(c.api_key)] if c.api_key else None,
+        self.grpc = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys is not None else None,
                                     options=[("grpc.so_reuseport", 1 if c.routers > 1 else 0)])
         add_parsing_safely(pb_grpc.add_GenerationServicer_to_server, servicer, self.grpc)
         # NOTE: the operator API shares the port, so the API key and TLS guard it exactly as they guard
@@ -158,10 +167,11 @@ class Server:
             log(f"Prometheus metrics on http://{c.metrics_host or c.host}:{self.metrics_port}/metrics")
 
         if c.http_port is not None:
-            self.http_door = HttpDoor(c.model, tokenizer, limits, self.observer or RequestObserver(), c.api_key,
-                                      serving=lambda: self._serving)
+            self.http_door = HttpDoor(c.model, tokenizer, limits, observer, serving=lambda: self._serving,
+                                      door=self.door)
             try:
-                self.http = HttpServer(self.http_door, c.host, c.http_port, tls, reuse_port=c.routers > 1)
+                self.http = HttpServer(self.http_door, c.host, c.http_port, tls, reuse_port=c.routers > 1,
+                                       header_timeout_s=c.http_header_timeout)
             except OSError as e:
                 await self.grpc.stop(None)
                 raise ServeError(f"cannot serve HTTP on {c.host}:{c.http_port} ({e}); is the port taken, or the "

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from protocol.block_hash import BlockHash, hash_blocks
+from protocol.block_hash import BlockHash, hash_blocks, salt_root
 from protocol.kinds import FinishReason
 
 
@@ -68,7 +68,8 @@ class Request:
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt reached the engine"
-        self.block_hashes = hash_blocks(self.prompt_token_ids, self.block_size)
+        self.block_hashes = hash_blocks(self.prompt_token_ids, self.block_size,
+                                        parent=salt_root(self.params.cache_salt))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,7 +99,7 @@ class Request:
         self.output_token_ids.append(token)
         if self.num_tokens % self.block_size == 0:
             tokens = self.all_token_ids
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else salt_root(self.params.cache_salt)
             self.block_hashes += hash_blocks(tokens, self.block_size, len(self.block_hashes), parent)
 
     def check_stop(self) -> RequestStatus | None:

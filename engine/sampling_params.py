@@ -18,6 +18,12 @@ class SamplingParams:
     # opt out of speculative decoding on an engine that has it on (the output is the same either way;
     # this only trades the engine's extra verify work for this request)
     disable_speculation: bool = False
+    # mixed into the prompt's block hashes (the prefix cache's keys): prompts match cached blocks only under
+    # the same salt, so tenants with different salts never share (or learn of) each other's cached prefixes
+    cache_salt: str = ""
+    # the request's priority class (higher first): in fair prefill order, prompts of a higher class are
+    # computed before any of a lower one (aging orders prompts within a class)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -187,14 +187,14 @@ class Scheduler:
         return n
 
     def _schedule_prompts_fairly(self, out: SchedulerOutput, budget: int) -> None:
-        """Prompts, prefilling and waiting alike, by uncomputed tokens less their aging credit, together at
-        most `prefill_chunk_tokens` this step."""
+        """Prompts, prefilling and waiting alike, higher priority classes first, then by uncomputed tokens less
+        their aging credit, together at most `prefill_chunk_tokens` this step."""
         budget = min(budget, self.config.prefill_chunk_tokens or budget)
         rate = self.config.prefill_aging_tokens_per_step
 
-        def key(r: Request) -> float:
+        def key(r: Request) -> tuple[int, float]:
             waited = self._step - self._arrival_step[r.request_id]
-            return (r.num_tokens - r.num_computed_tokens) - rate * waited
+            return -r.params.priority, (r.num_tokens - r.num_computed_tokens) - rate * waited
 
         prompts = sorted([r for r in self.running if r.status == RequestStatus.PREFILLING] + list(self.waiting),
                          key=key)

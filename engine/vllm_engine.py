@@ -220,7 +220,12 @@ class VllmEngine(EngineBackend):
         params = VllmParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                             seed=p.seed, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False,
                             extra_args=extra)
-        vllm_id = self.llm.add_request(request.request_id, TokensPrompt(prompt_token_ids=tokens), params)
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if p.cache_salt:
+            # NOTE: vLLM salts its own prefix cache (as ours does); the router's index of this worker's blocks
+            # (`publish`) sees salted blocks as unsalted chains, which only blurs placement hints
+            prompt["cache_salt"] = p.cache_salt
+        vllm_id = self.llm.add_request(request.request_id, prompt, params)
         self._vllm_ids[request.request_id] = vllm_id
         self._pdserve_ids[vllm_id] = request.request_id
         self._requests[request.request_id] = request

@@ -23,10 +23,11 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 from engine.config import cdiv
 from protocol import Cause, Path, PoolKind
-from protocol.block_hash import hash_blocks
+from protocol.block_hash import hash_blocks, salt_root
 from protocol.messages import Reservation
 from router.lifecycle import Attempt, AttemptFailed, Phase
 from router.placement import PrefillChoice, RoundRobinPrefill, choose_decode, choose_path, choose_prefill
@@ -39,6 +40,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["Admission"]
 
 
+@dataclass(eq=False)
+class _Waiter:
+    """An attempt in the admission queue."""
+
+    priority: int  # its request's class: higher classes try the room first, the lowest is shed first
+    shed: bool = False  # set when a higher class took its place in a full queue
+
+
 class Admission:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
@@ -49,6 +58,7 @@ class Admission:
         self.cost = shared.cost
         self.policy = choose_prefill if self.config.policy == "prefix" else RoundRobinPrefill()
         self.num_queued = 0  # attempts waiting in the admission queue
+        self._waiting: list[_Waiter] = []  # those attempts, in arrival order
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -107,7 +117,7 @@ class Admission:
         waiting in the admission queue when none has room."""
         n, bs = len(att.prompt), self.block_size
         need = cdiv(n, bs)
-        hashes = hash_blocks(att.prompt, bs)
+        hashes = hash_blocks(att.prompt, bs, parent=salt_root(att.params.cache_salt))
         deadline = att.created + self.config.admission_timeout_s
         while True:
             prefills = self.registry.schedulable(PoolKind.PREFILL)
@@ -151,13 +161,13 @@ class Admission:
                     return Path.REMOTE
                 full.add(decode.worker_id)
                 att.forget_placement()
-            await self._queue_for_room(need, deadline)
+            await self._queue_for_room(need, deadline, att.priority)
 
     async def choose_prefill(self, att: Attempt) -> PrefillChoice:
         """A live prefill (or colocated) worker for the attempt's prompt, waiting for one while none is alive."""
         kind = PoolKind.PREFILL if self.shared.disaggregated else PoolKind.COLOCATED
         ids = att.prompt
-        hashes = hash_blocks(ids, self.block_size)
+        hashes = hash_blocks(ids, self.block_size, parent=salt_root(att.params.cache_salt))
         deadline = att.created + self.config.admission_timeout_s
         while True:
             live = self.registry.schedulable(kind)
@@ -204,7 +214,7 @@ class Admission:
             # NOTE: a prompt waiting for decode room is not in the prefill worker's queue: don't count it there
             self.uncount_prefill(prefill, att.prefill_tokens)
             try:
-                await self._queue_for_room(need, deadline)
+                await self._queue_for_room(need, deadline, att.priority)
             finally:
                 self.count_prefill(prefill, att.prefill_tokens)
 
@@ -317,17 +327,34 @@ class Admission:
                                 "its decode blocks were set")
         return att.decode
 
-    async def _queue_for_room(self, need: int, deadline: float) -> None:
-        """Wait in the bounded admission queue until blocks may have been freed; RESOURCE_EXHAUSTED at once when
-        the queue is full, or past `deadline`."""
+    async def _queue_for_room(self, need: int, deadline: float, priority: int) -> None:
+        """Wait in the bounded admission queue until blocks may have been freed and no higher priority class
+        waits; RESOURCE_EXHAUSTED past `deadline`. A full queue sheds its newest waiter of the lowest class
+        below `priority` to make room (RESOURCE_EXHAUSTED for it), or refuses this one at once."""
         if self.num_queued >= self.config.max_queue:
-            raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
-                              f"the admission queue is full ({self.config.max_queue} waiting); retry later")
+            lower = [w for w in self._waiting if w.priority < priority and not w.shed]
+            if not lower:
+                raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
+                                  f"the admission queue is full ({self.config.max_queue} waiting); retry later")
+            lowest = min(w.priority for w in lower)
+            victim = [w for w in lower if w.priority == lowest][-1]
+            victim.shed = True
+            self.shared.room.set()  # (wakes it: it leaves at once)
+        me = _Waiter(priority)
+        self._waiting.append(me)
         self.num_queued += 1
         try:
-            await self.shared.wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} KV "
-                                  f"blocks within {self.config.admission_timeout_s:.0f}s; retry later")
+            while True:
+                await self.shared.wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} "
+                                            f"KV blocks within {self.config.admission_timeout_s:.0f}s; retry later")
+                if me.shed:
+                    raise RouterError("RESOURCE_EXHAUSTED", f"shed from the full admission queue for a request of a "
+                                      f"higher priority class than this one's ({priority}); retry later")
+                # NOTE: strict priority: a higher class that waits tries the room first
+                if not any(w.priority > priority and not w.shed for w in self._waiting):
+                    return
         finally:
+            self._waiting.remove(me)
             self.num_queued -= 1
 
     @staticmethod

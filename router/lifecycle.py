@@ -95,6 +95,7 @@ class Attempt:
     key: str  # the id every worker knows this attempt by
     prompt: list[int]  # the original prompt + every token already streamed to the client
     params: SamplingParams  # max_tokens reduced by the tokens already streamed
+    priority: int = 0  # the request's class (`ValidatedRequest.priority`): the admission queue serves higher first
     prefill: Worker | None = None
     decode: Worker | None = None
     reservation: Reservation | None = None
@@ -224,5 +225,6 @@ class RequestState:
         params = self.req.params
         if history:
             params = dataclasses.replace(params, max_tokens=params.max_tokens - len(history))
-        self.attempt = Attempt(f"{self.id}.{self.num_attempts}", self.req.prompt_token_ids + history, params)
+        self.attempt = Attempt(f"{self.id}.{self.num_attempts}", self.req.prompt_token_ids + history, params,
+                               self.req.priority)
         return self.attempt

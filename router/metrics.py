@@ -175,8 +175,14 @@ class Metrics(RequestObserver):
                                   "its next replacement worker: above 0 after failed starts or in a crash loop.",
                                   ["model", "pool"], registry=r)
 
+        self.stalled = Counter("pdserve_stalled_streams_cancelled_total", "Streams whose client took no token for "
+                               "--stalled-stream-timeout, cancelled (blocks freed).", ["model", "door"], registry=r)
+        self.quota_refused = Counter("pdserve_quota_refused_total", "Requests refused at the door over a tenant's "
+                                     "limit.", ["model", "tenant", "limit"], registry=r)
         for outcome in OUTCOMES:  # zero series exist from the start, so rate() and dashboards see them
             self.requests.labels(model, outcome)
+        for door in ("grpc", "http"):
+            self.stalled.labels(model, door)
         for cause in MIGRATION_CAUSES:
             for method in MIGRATION_METHODS:
                 self.migrations.labels(model, cause, method)
@@ -306,6 +312,11 @@ class Metrics(RequestObserver):
                 gauge.remove(*labels)
         self._workers.get(worker.kind.value, set()).discard(worker.worker_id)
 
+    def on_stalled_stream(self, door: str) -> None:
+        self.stalled.labels(self.model, door).inc()
+
+    def on_quota_refused(self, tenant: str, limit: str) -> None:
+        self.quota_refused.labels(self.model, tenant, limit).inc()
 
     def on_migration(self, state: RequestState, cause: str, method: str) -> None:
         self.migrations.labels(self.model, cause, method).inc()

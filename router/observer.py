@@ -58,3 +58,9 @@ class RequestObserver:
 
     def on_kv_transfer(self, src: str, dst: str, seconds: float, num_bytes: int, ok: bool) -> None:
         """A prompt's KV transfer ended: `seconds` from opening it to the last layer acknowledged."""
+
+    def on_stalled_stream(self, door: str) -> None:
+        """A stream whose client took no token for --stalled-stream-timeout was cancelled (`door`: grpc, http)."""
+
+    def on_quota_refused(self, tenant: str, limit: str) -> None:
+        """A request of `tenant` was refused at the door: over its `limit` (`router.quotas`)."""

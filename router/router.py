@@ -195,9 +195,14 @@ class Router:
                 self.observer.on_migration(state, e.cause.value, Method.RECOMPUTE.value)
                 logger.warning("request %s (%s) attempt %s failed: %s", state.id, state.client_id, att.key, e)
                 if len(state.failures) > self.config.migration_limit:
+                    # NOTE: the causes are for the log only: a worker's failure text carries node addresses and
+                    # tracebacks, which clients must not see
+                    logger.error("request %s (%s) failed %d times: %s", state.id, state.client_id,
+                                 len(state.failures), "; ".join(str(f) for f in state.failures))
+                    causes = "; ".join(f"{f.cause.value} on {f.worker_id}" for f in state.failures)
                     raise RouterError("UNAVAILABLE", f"request {state.client_id!r} failed {len(state.failures)} "
-                                      f"times (--migration-limit {self.config.migration_limit}): "
-                                      + "; ".join(str(f) for f in state.failures)) from e
+                                      f"times (--migration-limit {self.config.migration_limit}): {causes}; the "
+                                      f"server's log has the details under {state.id}") from e
                 state.to(Phase.QUEUED)
             finally:
                 self._end_attempt(att, clean)

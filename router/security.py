@@ -3,12 +3,12 @@
 Threat model (README "Security"): clients are not trusted; the cluster network that carries KV between
 workers is. So every gRPC call but health needs `authorization: Bearer <key>` when the server has a key,
 and TLS keeps that key and the traffic private on the way in. Health stays open so load balancers and
-orchestrators can probe without a secret; server reflection sits behind the key like everything else.
+orchestrators can probe without a secret; server reflection sits behind the key like everything else. With
+several keys (`--api-keys`, `router.tenants`), the Admin API takes only admin keys.
 """
 
 from __future__ import annotations
 
-import hmac
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,9 +16,12 @@ from pathlib import Path
 
 import grpc
 
+from router.tenants import KeyTable
+
 API_KEY_ENV = "PDSERVE_API_KEY"
 # methods answered without a key: gRPC health checking, for load balancers and orchestrators
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+ADMIN_METHOD_PREFIX = "/pdserve.v1.Admin/"  # the operator API: admin keys only
 
 
 @dataclass(frozen=True)
@@ -54,31 +57,38 @@ def resolve_api_key(flag: str | None) -> str | None:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without the right bearer token with UNAUTHENTICATED (health excepted)."""
+    """Refuses every call without a known bearer token with UNAUTHENTICATED (health excepted), and the Admin
+    API to a key whose role is not admin with PERMISSION_DENIED."""
 
-    def __init__(self, api_key: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+    def __init__(self, keys: KeyTable | str) -> None:
+        """`keys`: the key table (`--api-keys`), or the single `--api-key` (client and admin)."""
+        self.keys = KeyTable.single(keys) if isinstance(keys, str) else keys
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
+        method = handler_call_details.method
+        if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
             return handler
         given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self._expected):  # constant time: no key oracle
-            return handler
-        why = "missing authorization metadata: send 'authorization: Bearer <api key>'" if not given \
-            else "wrong API key"
-        return _refusal(handler, why)
+        tenant = self.keys.lookup(given)  # constant time: no key oracle
+        if tenant is None:
+            why = "missing authorization metadata: send 'authorization: Bearer <api key>'" if not given \
+                else "wrong API key"
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, why)
+        if method.startswith(ADMIN_METHOD_PREFIX) and not tenant.is_admin:
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+                            f"the Admin API needs an admin key; this key is tenant {tenant.name!r}'s, role client")
+        return handler
 
 
-def _refusal(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that aborts UNAUTHENTICATED."""
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, why: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that aborts with `code`."""
 
     async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        await context.abort(code, why)
 
     async def stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        await context.abort(code, why)
         yield  # pragma: no cover - makes this an async generator
 
     kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}

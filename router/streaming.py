@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from protocol import FinishReason
 from router.observer import RequestObserver
+from router.quotas import Ticket
 from router.router import RequestState, Router, RouterError
 from router.stop import StopStringMatcher
 from router.validation import ValidatedRequest
@@ -25,8 +26,9 @@ class TextChunk:
 
 
 async def stream_text(router: Router, req: ValidatedRequest, tokenizer: Tokenizer,
-                      observer: RequestObserver) -> AsyncIterator[TextChunk]:
-    """Raises RouterError (its `code` a gRPC status name) when the request cannot be served."""
+                      observer: RequestObserver, ticket: Ticket | None = None) -> AsyncIterator[TextChunk]:
+    """Raises RouterError (its `code` a gRPC status name) when the request cannot be served. `ticket`: the
+    request's hold on its tenant's quota, told of its first token and of every token, released at the end."""
     detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
     stops = StopStringMatcher(req.stop)
     completion = 0
@@ -36,6 +38,9 @@ async def stream_text(router: Router, req: ValidatedRequest, tokenizer: Tokenize
     try:
         async for event, state in stream:
             completion += len(event.token_ids)
+            if ticket is not None and event.token_ids:
+                ticket.first_token()
+                ticket.generated(len(event.token_ids))
             stop = stops.add(detok.add(event.token_ids))
             finish = FinishReason.STOP if stop.stopped else event.finish_reason
             text = stop.text
@@ -54,5 +59,7 @@ async def stream_text(router: Router, req: ValidatedRequest, tokenizer: Tokenize
         outcome = "error"
         raise
     finally:
+        if ticket is not None:
+            ticket.release()
         await stream.aclose()  # a stop string or a cancel ends the router's stream: it frees the blocks
         observer.on_end(req, state, outcome, completion)  # state is None if it never started

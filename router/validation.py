@@ -35,6 +35,9 @@ Decisions on the ambiguous cases:
 - sampling.stop: at most `max_stop_strings`, each non-empty and at most `max_stop_len` characters;
   duplicates are dropped (order kept).
 - sampling.stop_token_ids: at most `max_stop_token_ids`, each in [0, vocab_size); duplicates dropped.
+- cache_salt: at most `Limits.max_cache_salt_len` characters; empty -> the tenant's salt (the door fills it).
+- priority: unset -> the tenant's class; above the tenant's class -> capped to it (not refused: a client
+  cannot know its class); above MAX_PRIORITY -> refused.
 - Float fields arrive as float32; they are read back as the shortest decimal that round-trips in float32,
   so a client's 0.7 is 0.7 here and in error messages, not 0.699999988079071.
 """
@@ -50,6 +53,7 @@ from typing import Protocol
 
 from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
+from router.tenants import MAX_PRIORITY
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -88,6 +92,7 @@ class Limits:
     max_stop_token_ids: int = 256  # each one is checked against every sampled token
     max_messages: int = 1024  # bounds the chat-template work before any token is counted
     max_request_id_len: int = 128  # ids land in logs and traces
+    max_cache_salt_len: int = 256  # hashed once per request; bounds that work
     max_prompt_chars: int | None = None  # before tokenizing; None -> 32 characters per context token
 
     def __post_init__(self) -> None:
@@ -114,6 +119,10 @@ class ValidatedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # max_tokens already resolved (default applied, fits the context)
     stop: tuple[str, ...]  # stop strings, applied by the router to the detokenized text
+    # mixed into the prompt's block hashes (`protocol.block_hash.salt_root`): caches are shared only under
+    # one salt; the request's own `cache_salt`, else its tenant's (`router.door`)
+    cache_salt: str = ""
+    priority: int = 0  # its class, 0 (lowest, shed first) .. MAX_PRIORITY; capped by its tenant's
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -134,10 +143,16 @@ def validate_request(request: pb.GenerateRequest, limits: Limits, tokenizer: Pro
     top_k = _top_k(sampling, limits)
     stop = _stop_strings(sampling.stop, limits)
     stop_token_ids = _stop_token_ids(sampling.stop_token_ids, limits)
+    if len(request.cache_salt) > limits.max_cache_salt_len:
+        raise InvalidArgument("cache_salt", f"must be at most {limits.max_cache_salt_len} characters, "
+                              f"got {len(request.cache_salt)}")
+    if request.HasField("priority") and request.priority > MAX_PRIORITY:
+        raise InvalidArgument("priority", f"must be in 0..{MAX_PRIORITY}, got {request.priority}")
     if sampling.max_tokens > limits.max_model_len:  # cheap early exit before tokenizing
         raise InvalidArgument("sampling.max_tokens", f"must be at most the context length "
                               f"{limits.max_model_len}, got {sampling.max_tokens}")
 
+    priority = request.priority if request.HasField("priority") else MAX_PRIORITY
     input_field, prompt_token_ids = _prompt(request, limits, tokenizer)
     n = len(prompt_token_ids)
     if n >= limits.max_model_len:
@@ -160,8 +175,11 @@ def validate_request(request: pb.GenerateRequest, limits: Limits, tokenizer: Pro
         stop_token_ids=stop_token_ids,
         ignore_eos=sampling.ignore_eos,
         disable_speculation=sampling.disable_speculation,
+        cache_salt=request.cache_salt,
+        priority=priority,
     )
-    return ValidatedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, stop=stop)
+    return ValidatedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params, stop=stop,
+                            cache_salt=request.cache_salt, priority=priority)
 
 
 def _too_long(field: str, num_tokens: int, limits: Limits) -> InvalidArgument:

@@ -293,3 +293,13 @@ def test_prompts_held_for_their_kv_destination_never_keep_another_prompt_out_of_
     for _ in range(10):
         engine.step()
     assert len(held.output_token_ids) == 1
+
+
+def test_fair_order_computes_a_higher_priority_class_first():
+    engine = make_engine(max_num_batched_tokens=64, prefill_order="fair")
+    low = engine.add_request(PROMPT[:12], greedy(1, ignore_eos=True))
+    high = engine.add_request(LONG, greedy(1, ignore_eos=True, priority=5))
+    out = engine.scheduler.schedule()
+    # the short low-class prompt would go first by size; the class outranks it and takes the whole step
+    assert [(c.request, c.num_tokens) for c in out.chunks] == [(high, 64)]
+    assert low in engine.scheduler.waiting

@@ -94,6 +94,8 @@ CONTRACT: dict[str, dict[str, tuple[int, int, str, str | None]]] = {
         "prompt_token_ids": (3, T.TYPE_MESSAGE, ONEOF, "TokenIds"),
         "messages": (4, T.TYPE_MESSAGE, ONEOF, "ChatMessages"),
         "sampling": (5, T.TYPE_MESSAGE, SINGULAR, "SamplingParams"),
+        "cache_salt": (6, T.TYPE_STRING, SINGULAR, None),
+        "priority": (7, T.TYPE_UINT32, OPT, None),
     },
     "TokenIds": {"ids": (1, T.TYPE_UINT32, REP, None)},
     "ChatMessages": {"messages": (1, T.TYPE_MESSAGE, REP, "ChatMessage")},

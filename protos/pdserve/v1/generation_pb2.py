@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfd\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xf3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\"\n\x06timing\x18\x08 \x01(\x0b\x32\x12.pdserve.v1.Timing\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x8b\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12!\n\x19\x66irst_decode_step_seconds\x18\x04 \x01(\x01\x12\x11\n\tplacement\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x7f\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1f\n\x05pools\x18\x05 \x03(\x0b\x32\x10.pdserve.v1.Pool\"]\n\x04Pool\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.pdserve.v1.PoolKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x07workers\x18\x03 \x03(\x0b\x32\x12.pdserve.v1.Worker\",\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*k\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11POOL_KIND_PREFILL\x10\x01\x12\x14\n\x10POOL_KIND_DECODE\x10\x02\x12\x17\n\x13POOL_KIND_COLOCATED\x10\x03\x32\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x15\n\x08priority\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x0b\n\t_priority\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfd\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xf3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x19\n\x11prefill_worker_id\x18\x06 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x07 \x01(\t\x12\"\n\x06timing\x18\x08 \x01(\x0b\x32\x12.pdserve.v1.Timing\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x8b\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12!\n\x19\x66irst_decode_step_seconds\x18\x04 \x01(\x01\x12\x11\n\tplacement\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x7f\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1f\n\x05pools\x18\x05 \x03(\x0b\x32\x10.pdserve.v1.Pool\"]\n\x04Pool\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.pdserve.v1.PoolKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x07workers\x18\x03 \x03(\x0b\x32\x12.pdserve.v1.Worker\",\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*k\n\x08PoolKind\x12\x19\n\x15POOL_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11POOL_KIND_PREFILL\x10\x01\x12\x14\n\x10POOL_KIND_DECODE\x10\x02\x12\x17\n\x13POOL_KIND_COLOCATED\x10\x03\x32\x9d\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1408
-  _globals['_FINISHREASON']._serialized_end=1503
-  _globals['_POOLKIND']._serialized_start=1505
-  _globals['_POOLKIND']._serialized_end=1612
+  _globals['_FINISHREASON']._serialized_start=1464
+  _globals['_FINISHREASON']._serialized_end=1559
+  _globals['_POOLKIND']._serialized_start=1561
+  _globals['_POOLKIND']._serialized_end=1668
   _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=250
-  _globals['_TOKENIDS']._serialized_start=252
-  _globals['_TOKENIDS']._serialized_end=275
-  _globals['_CHATMESSAGES']._serialized_start=277
-  _globals['_CHATMESSAGES']._serialized_end=334
-  _globals['_CHATMESSAGE']._serialized_start=336
-  _globals['_CHATMESSAGE']._serialized_end=380
-  _globals['_SAMPLINGPARAMS']._serialized_start=383
-  _globals['_SAMPLINGPARAMS']._serialized_end=636
-  _globals['_GENERATERESPONSE']._serialized_start=639
-  _globals['_GENERATERESPONSE']._serialized_end=882
-  _globals['_USAGE']._serialized_start=884
-  _globals['_USAGE']._serialized_end=971
-  _globals['_TIMING']._serialized_start=974
-  _globals['_TIMING']._serialized_end=1113
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1115
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1136
-  _globals['_MODELINFO']._serialized_start=1138
-  _globals['_MODELINFO']._serialized_end=1265
-  _globals['_POOL']._serialized_start=1267
-  _globals['_POOL']._serialized_end=1360
-  _globals['_WORKER']._serialized_start=1362
-  _globals['_WORKER']._serialized_end=1406
-  _globals['_GENERATION']._serialized_start=1615
-  _globals['_GENERATION']._serialized_end=1772
+  _globals['_GENERATEREQUEST']._serialized_end=306
+  _globals['_TOKENIDS']._serialized_start=308
+  _globals['_TOKENIDS']._serialized_end=331
+  _globals['_CHATMESSAGES']._serialized_start=333
+  _globals['_CHATMESSAGES']._serialized_end=390
+  _globals['_CHATMESSAGE']._serialized_start=392
+  _globals['_CHATMESSAGE']._serialized_end=436
+  _globals['_SAMPLINGPARAMS']._serialized_start=439
+  _globals['_SAMPLINGPARAMS']._serialized_end=692
+  _globals['_GENERATERESPONSE']._serialized_start=695
+  _globals['_GENERATERESPONSE']._serialized_end=938
+  _globals['_USAGE']._serialized_start=940
+  _globals['_USAGE']._serialized_end=1027
+  _globals['_TIMING']._serialized_start=1030
+  _globals['_TIMING']._serialized_end=1169
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1171
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1192
+  _globals['_MODELINFO']._serialized_start=1194
+  _globals['_MODELINFO']._serialized_end=1321
+  _globals['_POOL']._serialized_start=1323
+  _globals['_POOL']._serialized_end=1416
+  _globals['_WORKER']._serialized_start=1418
+  _globals['_WORKER']._serialized_end=1462
+  _globals['_GENERATION']._serialized_start=1671
+  _globals['_GENERATION']._serialized_end=1828
 # @@protoc_insertion_point(module_scope)
