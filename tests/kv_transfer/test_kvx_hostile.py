@@ -17,7 +17,7 @@ from test_kvx_inprocess import SPEC, accept_queue, landed, make_pair, start, tra
 from kv_transfer.layout import TransferDescriptor
 from kv_transfer.pair_group import SENDER_RANK, TAG_MSG, TAG_REPLY, PairGroup
 from kv_transfer.rendezvous import LinkRequest, link_prefix
-from kv_transfer.torch_transport import _Where
+from kv_transfer.torch_links import _Where
 from kv_transfer.wire import HEADER_LEN, Header, MsgKind
 
 _GiB = 1 << 30

@@ -23,6 +23,7 @@ from kv_transfer import (
     TransferStatus,
     create_receiver,
     create_sender,
+    torch_links,
     torch_transport,
 )
 
@@ -333,7 +334,7 @@ def test_layers_larger_than_a_receive_slot_travel_as_their_own_message(rendezvou
     """Over gloo a message that fits a receive slot travels whole; a larger layer follows its frame as a
     second message. Slots shrunk to 1 KiB here, so layers (2 KiB each at 8 blocks) take that path, while
     BEGIN and the small one-block transfer still fit."""
-    monkeypatch.setattr(torch_transport, "_SLOT_BYTES", 1024)
+    monkeypatch.setattr(torch_links, "_SLOT_BYTES", 1024)
     p = make_pair("torch", rendezvous.port)
     try:
         for rid, n in (("big", 8), ("small", 1), ("big-again", 8)):
