@@ -63,6 +63,8 @@ def drive_every_hook(m: Metrics) -> None:
     m.on_kv_move("decode-0", "decode-1", KVMoveResult(True, 4096, 0.01))
     m.on_kv_move("decode-0", "decode-1", KVMoveResult(False, error="link broke"))
     m.on_pool_size("prefill", 1, 1)
+    m.on_stalled_stream("http")
+    m.on_quota_refused("acme", "tokens_per_minute")
     m.on_worker_lost(d)
     m.watch_cost(measured_cost())
 

@@ -64,6 +64,9 @@ EXPECTED = {
     "pdserve_cost_link_bytes_per_second": ("gauge", {"model", "src", "dst"}),
     "pdserve_cost_decode_step_seconds": ("gauge", {"model", "worker"}),
     "pdserve_cost_decode_step_per_sequence_seconds": ("gauge", {"model", "worker"}),
+    # issue 30: the front door
+    "pdserve_stalled_streams_cancelled": ("counter", {"model", "door"}),
+    "pdserve_quota_refused": ("counter", {"model", "tenant", "limit"}),
 }
 
 
