@@ -125,7 +125,11 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
     while rounds is None or k < rounds:
         k += 1
         time.sleep(interval_s)
-        after, t_after = scrape(metrics_url), time.monotonic()
+        try:
+            after, t_after = scrape(metrics_url), time.monotonic()
+        except OSError as e:  # the router restarting, a node lost: keep watching
+            logger.warning("interval %d: cannot read %s (%s); trying again next interval", k, metrics_url, e)
+            continue
         # NOTE: the rate is the interval's; the lengths are the means since the watch began: prompt tokens
         # are counted when a prefill ends and requests when a stream ends, so over one short interval the
         # two counts belong to different requests (3 prefills over 1 finished stream read as 3x the prompt)
