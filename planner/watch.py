@@ -139,12 +139,17 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
         before, t_before = after, t_after
         rate = forecaster.observe(traffic.rate)
         plan, decisions = None, []
+        try:
+            current = pools.sizes()
+        except Exception as e:  # grpc.RpcError: the Admin API is down for now
+            logger.warning("interval %d: cannot read the pools (%s); trying again next interval", k, e)
+            continue
         if traffic.rate > 0 and rate > 0:
             plan = size(profile, synthetic_trace(traffic, rate), slo, max_pool_size=policy.max_pool_size,
                         colocated=False)
         if rate == 0:  # no traffic: the smallest pools
             floor = policy.min_pool_size
-            decisions = scaler.decide(time.monotonic(), pools.sizes(), {"prefill": floor, "decode": floor},
+            decisions = scaler.decide(time.monotonic(), current, {"prefill": floor, "decode": floor},
                                       "no requests in the interval, none forecast")
         elif plan is not None and plan.best is not None:
             b = plan.best
@@ -152,7 +157,7 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
             why = (f"{traffic.rate:.2f} req/s now, {rate:.2f} forecast, prompts {traffic.mean_prompt:.0f} / outputs "
                    f"{traffic.mean_output:.0f} tokens: {b.layout.label} meets the SLO for {b.attainment:.0%} "
                    f"(TTFT p90 {b.result.ttft.p90:.2f} s, ITL p50 {b.result.itl.p50 * 1e3:.0f} ms)")
-            decisions = scaler.decide(time.monotonic(), pools.sizes(), wanted, why)
+            decisions = scaler.decide(time.monotonic(), current, wanted, why)
         logger.info("interval %d: %.2f req/s, forecast %.2f; plan %s", k, traffic.rate, rate,
                     plan.best.layout.label if plan is not None and plan.best is not None else "-")
         for d in decisions:
