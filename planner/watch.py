@@ -166,6 +166,9 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
                 continue
             try:
                 logger.info("scaling: %s -> %s", d.reason, pools.scale(d))
+                # NOTE: the cool-down runs from when the change is done: a new worker can take a minute to
+                # load, and its first interval should not already count towards the next change
+                scaler.last_change[d.pool] = time.monotonic()
             except Exception as e:  # a refused change (another in progress, a bound) waits for the next interval
                 logger.warning("scale of %s refused: %s; trying again next interval", d.pool, e)
                 scaler.last_change.pop(d.pool, None)
