@@ -1,8 +1,7 @@
 """The `pdserve` command: `serve` starts a deployment, `generate` streams a completion from one, `bench`
 measures layouts side by side (`benchmarks.serving.cli`), `plan` sizes the pools (`planner.cli`); `workers`,
-`scale`, `drain` and `restart-pool`
-operate a running one (`control.admin_cli`); `stop` stops one with router replicas, whichever replica leads
-it."""
+`scale`, `drain` and `restart-pool` operate a running one (`control.admin_cli`); `stop` stops one with
+router replicas, whichever replica leads it."""
 
 from __future__ import annotations
 

@@ -125,7 +125,11 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
     while rounds is None or k < rounds:
         k += 1
         time.sleep(interval_s)
-        after, t_after = scrape(metrics_url), time.monotonic()
+        try:
+            after, t_after = scrape(metrics_url), time.monotonic()
+        except OSError as e:  # the router restarting, a node lost: keep watching
+            logger.warning("interval %d: cannot read %s (%s); trying again next interval", k, metrics_url, e)
+            continue
         # NOTE: the rate is the interval's; the lengths are the means since the watch began: prompt tokens
         # are counted when a prefill ends and requests when a stream ends, so over one short interval the
         # two counts belong to different requests (3 prefills over 1 finished stream read as 3x the prompt)
@@ -135,12 +139,17 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
         before, t_before = after, t_after
         rate = forecaster.observe(traffic.rate)
         plan, decisions = None, []
+        try:
+            current = pools.sizes()
+        except Exception as e:  # grpc.RpcError: the Admin API is down for now
+            logger.warning("interval %d: cannot read the pools (%s); trying again next interval", k, e)
+            continue
         if traffic.rate > 0 and rate > 0:
             plan = size(profile, synthetic_trace(traffic, rate), slo, max_pool_size=policy.max_pool_size,
                         colocated=False)
         if rate == 0:  # no traffic: the smallest pools
             floor = policy.min_pool_size
-            decisions = scaler.decide(time.monotonic(), pools.sizes(), {"prefill": floor, "decode": floor},
+            decisions = scaler.decide(time.monotonic(), current, {"prefill": floor, "decode": floor},
                                       "no requests in the interval, none forecast")
         elif plan is not None and plan.best is not None:
             b = plan.best
@@ -148,7 +157,7 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
             why = (f"{traffic.rate:.2f} req/s now, {rate:.2f} forecast, prompts {traffic.mean_prompt:.0f} / outputs "
                    f"{traffic.mean_output:.0f} tokens: {b.layout.label} meets the SLO for {b.attainment:.0%} "
                    f"(TTFT p90 {b.result.ttft.p90:.2f} s, ITL p50 {b.result.itl.p50 * 1e3:.0f} ms)")
-            decisions = scaler.decide(time.monotonic(), pools.sizes(), wanted, why)
+            decisions = scaler.decide(time.monotonic(), current, wanted, why)
         logger.info("interval %d: %.2f req/s, forecast %.2f; plan %s", k, traffic.rate, rate,
                     plan.best.layout.label if plan is not None and plan.best is not None else "-")
         for d in decisions:
@@ -157,6 +166,9 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
                 continue
             try:
                 logger.info("scaling: %s -> %s", d.reason, pools.scale(d))
+                # NOTE: the cool-down runs from when the change is done: a new worker can take a minute to
+                # load, and its first interval should not already count towards the next change
+                scaler.last_change[d.pool] = time.monotonic()
             except Exception as e:  # a refused change (another in progress, a bound) waits for the next interval
                 logger.warning("scale of %s refused: %s; trying again next interval", d.pool, e)
                 scaler.last_change.pop(d.pool, None)
