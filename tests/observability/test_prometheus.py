@@ -4,6 +4,7 @@ the TTFT/ITL histogram counts are what the clients saw."""
 from __future__ import annotations
 
 import collections
+import json
 import math
 import re
 import threading
@@ -11,11 +12,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.cost_model import CostPriors
+from router.security import ClientSecurity
 from tests.observability.dashboard import load_dashboard, substitute, targets
 from tests.observability.prometheus import PROMETHEUS, Prometheus, wait_for
 from tests.serving.conftest import greedy_request, running_server, token_ids
@@ -32,6 +36,11 @@ NUM_LOAD = 24
 SPEC_PROMPT = [10, 11, 12, 13, 146, 14, 15, 16, 17, 13]
 NUM_CANCELLED = 4
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+# the load runs as an admin tenant without limits; a capped tenant's too-long prompt is refused at the door
+LOAD_KEY, CAPPED_KEY = "sk-load-key-0001", "sk-capped-key-01"
+KEYS = {"tenants": {"load": {}, "capped": {"max_queued_prompt_tokens": 8}},
+        "keys": [{"key": LOAD_KEY, "tenant": "load", "role": "admin"},
+                 {"key": CAPPED_KEY, "tenant": "capped", "role": "client"}]}
 
 
 @dataclass
@@ -82,8 +91,11 @@ def deployment(ray_cluster, tmp_path_factory):
     # NOTE: with speculation on, so the dashboard's speculative-decoding panels have data too; and with every
     # transfer rating its link (tiny-random's prompts carry a few KB of KV, far under the 1 MiB floor), so
     # the cost model's link panel does
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps(KEYS))
     with running_server(model=MODEL, prefill_workers=1, decode_workers=1, metrics_port=0, max_model_len=512,
-                        speculative="ngram", cost_priors=CostPriors(min_rated_transfer_bytes=1)) as server:
+                        speculative="ngram", cost_priors=CostPriors(min_rated_transfer_bytes=1),
+                        api_keys=str(keys), client_key=LOAD_KEY) as server:
         assert server.server.metrics_port
         prom = Prometheus(f"127.0.0.1:{server.server.metrics_port}", tmp_path_factory.mktemp("prometheus"))
         try:
@@ -148,8 +160,19 @@ def load(deployment) -> Load:
     wait_for("the cancelled streams' ends in Prometheus",
              lambda: prom.scalar('sum(pdserve_requests_total{finish_reason="cancelled"})') == NUM_CANCELLED, 30)
     settle(prom, seen)
+    _refused_by_quota(server)
     _scale_and_drain(server, prom)
     return Load(completed, seen, sorted(server.server.router.workers))
+
+
+def _refused_by_quota(server) -> None:
+    """The capped tenant's 20-token prompt is over its 8 queued prompt tokens: refused before any prefill (the
+    quota panel's data; not a request, so no count above moves)."""
+    with ClientSecurity(api_key=CAPPED_KEY).channel(server.address) as channel, \
+            pytest.raises(grpc.RpcError) as refused:
+        list(pb_grpc.GenerationStub(channel).Generate(greedy_request(list(range(1, 21)), 4), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    assert "max_queued_prompt_tokens" in refused.value.details()
 
 
 def _scale_and_drain(server, prom: Prometheus) -> None:

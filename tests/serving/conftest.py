@@ -15,19 +15,21 @@ from control.config import ServeConfig
 from control.server import Server
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.security import ClientSecurity
 
 
 class RunningServer:
     """A Server on its own event-loop thread, with a blocking client for tests."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, client_key: str | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.server = Server(config)
         self.run(self.server.start(), timeout=300)
         self.address = f"127.0.0.1:{self.server.port}"
-        self.channel = grpc.insecure_channel(self.address)
+        # every call carries the key, if there is one, as a client that set it once would send it
+        self.channel = ClientSecurity(api_key=client_key).channel(self.address)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def run(self, coro, timeout: float = 60):
@@ -63,12 +65,13 @@ class RunningServer:
 
 
 @contextmanager
-def running_server(**kwargs) -> Iterator[RunningServer]:
+def running_server(client_key: str | None = None, **kwargs) -> Iterator[RunningServer]:
+    """A server from `ServeConfig(**kwargs)`; `client_key`: the key its test client sends on every call."""
     kwargs.setdefault("port", 0)
     kwargs.setdefault("worker_threads", 1)
     kwargs.setdefault("metrics_port", 0)
     kwargs.setdefault("http_port", 0)
-    server = RunningServer(ServeConfig(**kwargs))
+    server = RunningServer(ServeConfig(**kwargs), client_key)
     try:
         yield server
     finally:
