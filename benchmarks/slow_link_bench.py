@@ -56,7 +56,7 @@ def _inner(placement: str, address: str, requests: int, prompt_tokens: int, seed
 
     from benchmarks.serving.launch import LocalDeployment
     from control.config import ServeConfig
-    from control.server import init_ray
+    from control.ray_cluster import init_ray
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -196,7 +196,8 @@ def serve_config(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from control.server import ServeError, serve_forever
+    from control.console import ServeError
+    from control.serve_loop import serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -254,8 +255,9 @@ def _add_stop(sub: argparse._SubParsersAction) -> None:
 
 
 def stop(args: argparse.Namespace) -> int:
+    from control.console import ServeError
+    from control.ray_cluster import init_ray
     from control.replica_set import stop_deployment
-    from control.server import ServeError, init_ray
 
     init_ray(args.ray_address, 0)
     try:

@@ -11,10 +11,11 @@ import os
 from control.admin import PoolAdmin
 from control.admin_servicer import AdminServicer, ForwardingAdminServicer
 from control.config import ServeConfig
+from control.console import log
 from control.mailbox import named
 from control.messages import LeadClaim, ReplicaProcess, ReplicaView, WorkerView
 from control.replica_set import ReplicaSet
-from control.server import Server, log
+from control.server import Server
 from control.shared import Shared
 from protocol import Method
 from protocol.messages import WorkerInfo

@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from control.admin_servicer import run_forwarded
+from control.console import ServeError, log
 from control.mailbox import MAILBOX_NAMESPACE, create_mailbox, kill_named, mailbox_name, named
 from control.messages import LeadClaim, ReplicaEntry, ReplicaProcess
 from control.processes import fence, kill_process, this_node, this_process
-from control.server import ServeError, Server, log
+from control.server import Server
 from protocol import Method, PoolKind
 from protocol.messages import RouterId
 from router.background import Background

@@ -1,33 +1,29 @@
-"""`pdserve serve`: a Ray cluster (joined or started on loopback), the worker pools, and the gRPC server
-(configured by `control.config.ServeConfig`)."""
+"""`pdserve serve`'s deployment: the worker pools on Ray, the router over them and its doors (configured by
+`control.config.ServeConfig`). `control.serve_loop` runs one until a signal; `control.ray_cluster` gives it
+its Ray cluster."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
-import signal
-import sys
-from collections.abc import Coroutine
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from control.admin import PoolAdmin
 from control.admin_servicer import AdminServicer
 from control.config import ServeConfig, kv_transfer_config
+from control.console import ServeError, log
+from control.doors import bind_grpc, grpc_door, http_server, metrics_endpoint, set_health
 from control.launcher import ray_launcher
 from engine.hub import resolve_model
 from engine.model_files import model_limits
 from engine.tokenizer import Tokenizer
 from protocol.kv_config import KVTransferConfig
 from protocol.messages import RouterId
-from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
-from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from protos.pdserve.v1 import admin_pb2_grpc
 from router.door import Door
 from router.http_api import HttpDoor, HttpServer
 from router.metrics import Metrics, MetricsEndpoint
@@ -35,20 +31,12 @@ from router.observer import RequestObserver
 from router.pool import LivenessConfig, PoolManager
 from router.registry import WorkerRegistry
 from router.router import Router
-from router.security import ApiKeyInterceptor, TLSConfig
+from router.security import TLSConfig
 from router.servicer import GenerationServicer
 from router.stall_watch import StallWatch
 from router.validation import Limits
-from router.wire import add_parsing_safely
 
 logger = logging.getLogger("pdserve")
-SERVICE = "pdserve.v1.Generation"
-# of the shutdown grace, what is kept back from the drain for stopping the workers and the Ray cluster
-_STOP_RESERVE_S = 8.0
-
-
-class ServeError(RuntimeError):
-    """The deployment cannot start (a port taken, ...); the message says what to change."""
 
 
 class Server:
@@ -125,44 +113,21 @@ class Server:
         servicer = GenerationServicer(c.model, tokenizer, limits, c.kv_block_size, self.observer, self.door)
         self.servicer = servicer
 
-        # NOTE: gRPC sets SO_REUSEPORT by default, which would let a second deployment bind a taken port and
-        # silently take half its connections: only router replicas share a port
-        self.grpc = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys is not None else None,
-                                    options=[("grpc.so_reuseport", 1 if c.routers > 1 else 0)])
-        add_parsing_safely(pb_grpc.add_GenerationServicer_to_server, servicer, self.grpc)
-        # NOTE: the operator API shares the port, so the API key and TLS guard it exactly as they guard
-        # generation: there is no unprotected side door
         self.admin_servicer = self._admin_servicer()
-        add_parsing_safely(admin_pb2_grpc.add_AdminServicer_to_server, self.admin_servicer, self.grpc)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["Generation"].full_name,
-             admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name, health.SERVICE_NAME,
-             reflection.SERVICE_NAME), self.grpc)
+        self.grpc, self.health = grpc_door(keys, c.routers > 1, servicer, self.admin_servicer)
         try:
             tls = c.tls()
         except ValueError as e:
             raise ServeError(str(e)) from e
-        try:
-            if tls is not None:
-                self.port = self.grpc.add_secure_port(f"{c.host}:{c.port}", tls.server_credentials())
-            else:
-                self.port = self.grpc.add_insecure_port(f"{c.host}:{c.port}")
-        except RuntimeError as e:
-            raise ServeError(f"cannot listen on {c.host}:{c.port} ({e}); is the port taken? "
-                             "Pass another --port.") from e
-        for name in ("", SERVICE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = bind_grpc(self.grpc, c, tls)
+        await set_health(self.health, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
         if self.metrics is not None and c.metrics_port is not None:
             try:
-                self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, c.metrics_host or c.host,
-                                                        c.metrics_port, self._metrics_labels())
-            except OSError as e:
+                self.metrics_endpoint = metrics_endpoint(self.metrics, c, self._metrics_labels())
+            except ServeError:
                 await self.grpc.stop(None)
-                raise ServeError(f"cannot serve metrics on {c.host}:{c.metrics_port} ({e}); is the "
-                                 "port taken? Pass another --metrics-port (0: any free port).") from e
+                raise
             self.metrics_port = self.metrics_endpoint.port
             log(f"Prometheus metrics on http://{c.metrics_host or c.host}:{self.metrics_port}/metrics")
 
@@ -170,12 +135,10 @@ class Server:
             self.http_door = HttpDoor(c.model, tokenizer, limits, observer, serving=lambda: self._serving,
                                       door=self.door)
             try:
-                self.http = HttpServer(self.http_door, c.host, c.http_port, tls, reuse_port=c.routers > 1,
-                                       header_timeout_s=c.http_header_timeout)
-            except OSError as e:
+                self.http = http_server(self.http_door, c, tls)
+            except ServeError:
                 await self.grpc.stop(None)
-                raise ServeError(f"cannot serve HTTP on {c.host}:{c.http_port} ({e}); is the port taken, or the "
-                                 "TLS certificate unreadable? Pass another --http-port (0: off).") from e
+                raise
             self.http_port = self.http.port
             self.http.start()
             log(f"OpenAI-compatible HTTP on http{'s' if tls else ''}://{c.host}:{self.http_port}/v1")
@@ -257,8 +220,7 @@ class Server:
             self._serving = now
             if now != serving:
                 status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
-                for name in ("", SERVICE):
-                    await self.health.set(name, status)
+                await set_health(self.health, status)
                 if serving is not None:
                     log("health: SERVING" if now else
                         f"health: NOT_SERVING ({'draining' if self.router.draining else 'no live worker in the ' + ', '.join(empty) + ' pool'})")
@@ -272,8 +234,7 @@ class Server:
         if self.router is not None:
             self.router.draining = True
             self._serving = False
-            for name in ("", SERVICE):
-                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await set_health(self.health, health_pb2.HealthCheckResponse.NOT_SERVING)
             n = len(self.router.requests)
             log(f"shutting down: waiting up to {grace:.0f}s for {n} request(s) in flight")
             # every replica drains its own streams, at the same time
@@ -353,7 +314,6 @@ class Server:
             await self.shutdown(grace_s)
         await self.stop()
 
-
     async def _stop_workers(self) -> None:
         workers = list(self.registry.workers.values())
         # let each worker close its KV links cleanly before the processes go
@@ -363,114 +323,3 @@ class Server:
         for w in workers:
             with contextlib.suppress(Exception):
                 w.client.kill()
-
-
-def pin_ray_to_loopback() -> None:
-    """Make a Ray cluster started by this process live on 127.0.0.1. Call before `import ray`.
-
-    NOTE: `ray.init(_node_ip_address="127.0.0.1")` alone is not enough: Ray "resolves" a loopback address
-    to the machine's routable IP unless its single-machine mode is on, which this variable turns on.
-    """
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    # NOTE: Ray starts workers at nice 15, so any ordinary process on the box steals their CPU; the model
-    # replicas are the point of this machine.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-
-def init_ray(address: str | None, num_workers: int) -> None:
-    """Join the Ray cluster at `address` ("auto" or HOST:PORT), or start this process's own single-machine
-    cluster on 127.0.0.1 when it is None; the log says which."""
-    if address is None:
-        pin_ray_to_loopback()
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address:
-        ctx = ray.init(address=address)
-        log(f"joined the Ray cluster at {ctx.address_info.get('gcs_address', address)} "
-            f"({len([n for n in ray.nodes() if n['Alive']])} nodes)")
-    else:
-        # NOTE: address="local" starts a new cluster even when Ray has one registered as this machine's
-        # current cluster (`ray_current_cluster` in Ray's temp dir, left by `ray start` or a test session):
-        # without it ray.init joins that one, and refuses num_cpus.
-        ctx = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                       num_cpus=max(os.cpu_count() or 1, num_workers), log_to_driver=True)
-        log(f"started a new single-machine Ray cluster at {ctx.address_info.get('gcs_address')} "
-            "(pass --ray-address to join an existing one)")
-
-
-def log(msg: str) -> None:
-    print(f"pdserve: {msg}", file=sys.stderr, flush=True)
-
-
-async def serve_forever(config: ServeConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully (see `Server.shutdown`), all within
-    `config.shutdown_grace` of the signal, start-up included: a signal while the workers load kills them."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signalled_at: list[float] = []  # loop time of the first signal
-
-    def on_signal() -> None:
-        if not signalled_at:
-            signalled_at.append(loop.time())
-        stop.set()
-
-    init_ray(config.ray_address, config.num_workers)
-    # NOTE: after `init_ray`: Ray installs its own SIGTERM handler (it dumps a stack and dies) in `ray.init`
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    server = Server(config)
-    signalled = asyncio.ensure_future(stop.wait())
-
-    def deadline() -> float:
-        return signalled_at[0] + config.shutdown_grace if signalled_at else loop.time() + _STOP_RESERVE_S
-
-    try:
-        if await _start_unless_signalled(server, signalled):
-            await asyncio.wait([signalled, asyncio.ensure_future(server.stopped.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)
-            if signalled.done():
-                log("signal received: draining")
-                await _stop_by(server.shutdown(_drain_budget(config.shutdown_grace)), server, deadline())
-    finally:
-        # idempotent: a no-op after a graceful shutdown; stops a failed or interrupted start
-        await _stop_by(server.stop(), server, deadline())
-        signalled.cancel()
-
-
-async def _start_unless_signalled(server: Server, signalled: asyncio.Future) -> bool:
-    """Start `server`; True once it serves. A signal first: kill the workers being started and say False.
-
-    NOTE: a start waits for every worker to load its model (a minute for 1P+2D on this 2-core machine), and
-    the pool manager lets every worker start run to its end even when its start is cancelled: killing the
-    actors is what makes those starts end now."""
-    starting = asyncio.ensure_future(server.start())
-    await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
-    if starting.done():
-        starting.result()  # a failed start raises here (ServeError: the message says what to change)
-        return True
-    log("signal received during start-up: stopping the workers being started")
-    server.kill_workers_now()
-    starting.cancel()
-    with contextlib.suppress(BaseException):  # cancelled, or failed as its workers died: either is expected
-        await asyncio.wait_for(starting, _STOP_RESERVE_S)
-    return False
-
-
-async def _stop_by(stopping: Coroutine[Any, Any, None], server: Server, deadline: float) -> None:
-    """Run `stopping` (the server's shutdown or stop) until `deadline` (loop time, less a second for the Ray
-    cluster to go down); past it, or after it, kill the workers the server started."""
-    loop = asyncio.get_running_loop()
-    try:
-        await asyncio.wait_for(stopping, max(0.0, deadline - loop.time() - 1.0))
-    except asyncio.TimeoutError:
-        log("shutting down: stopping took past the shutdown grace; killing the workers")
-    server.kill_workers_now()  # (no-op for workers the stop ended; catches any launched while it ran)
-
-
-def _drain_budget(grace_s: float) -> float:
-    """Of the shutdown grace, how long in-flight requests may take: the rest stops the workers and Ray."""
-    return max(0.0, grace_s - min(_STOP_RESERVE_S, grace_s / 2))

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from control.config import ServeConfig, kv_transfer_config
+from control.console import ServeError
 from control.launcher import ray_launcher
 from control.mailbox import MAILBOX_NAMESPACE, create_mailbox, kill_named, mailbox_name, named
 from control.processes import this_node
-from control.server import ServeError
 from protocol.node import node_identity
 from router.pool import Launcher
 

@@ -12,7 +12,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # NOTE: without this, Ray "resolves" _node_ip_address=127.0.0.1 to the machine's network address, and
-# tests must only ever talk over loopback (see control.server.pin_ray_to_loopback).
+# tests must only ever talk over loopback (see control.ray_cluster.pin_ray_to_loopback).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_worker_niceness", "0")  # workers compete with the test process on equal terms
 

@@ -152,7 +152,7 @@ def start_ray(layouts: list[Layout]) -> None:
     and the numbers measure the neighbours. `pin_ray_to_loopback` runs them at nice 0, like the router and
     the load generator. (A cluster already running in this process keeps its setting.)
     """
-    from control.server import init_ray, pin_ray_to_loopback
+    from control.ray_cluster import init_ray, pin_ray_to_loopback
 
     pin_ray_to_loopback()  # before `import ray`
     import ray

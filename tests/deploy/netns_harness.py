@@ -20,7 +20,7 @@ import time
 import grpc
 
 from control.config import ServeConfig
-from control.server import init_ray
+from control.ray_cluster import init_ray
 from engine import LLM, SamplingParams
 from tests.cluster import NetnsCluster, wait_for
 from tests.serving.conftest import RunningServer, greedy_request, token_ids

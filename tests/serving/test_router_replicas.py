@@ -19,7 +19,8 @@ import grpc
 import pytest
 
 from control.config import ServeConfig
-from control.server import ServeError, Server
+from control.console import ServeError
+from control.server import Server
 from engine import LLM, SamplingParams
 from protos.pdserve.v1 import admin_pb2 as admin
 from protos.pdserve.v1 import admin_pb2_grpc
