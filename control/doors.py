@@ -19,7 +19,8 @@ from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.http_api import HttpDoor, HttpServer
-from router.metrics import Metrics, MetricsEndpoint
+from router.metrics import Metrics
+from router.metrics_export import MetricsEndpoint
 from router.security import ApiKeyInterceptor, TLSConfig
 from router.servicer import GenerationServicer
 from router.tenants import KeyTable

@@ -26,7 +26,8 @@ from protocol.messages import RouterId
 from protos.pdserve.v1 import admin_pb2_grpc
 from router.door import Door
 from router.http_api import HttpDoor, HttpServer
-from router.metrics import Metrics, MetricsEndpoint
+from router.metrics import Metrics
+from router.metrics_export import MetricsEndpoint
 from router.observer import RequestObserver
 from router.pool import LivenessConfig, PoolManager
 from router.registry import WorkerRegistry

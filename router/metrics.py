@@ -2,7 +2,7 @@
 
 `Metrics` is the process's one metrics owner (a `RequestObserver`): it keeps its own `CollectorRegistry`
 (never prometheus_client's global one, so several servers can live in one test process) and
-`MetricsEndpoint` serves it at `/metrics`. Labels are bounded: `model`, `pool`, `worker`, `node`, `stage`,
+`router.metrics_export.MetricsEndpoint` serves it at `/metrics`. Labels are bounded: `model`, `pool`, `worker`, `node`, `stage`,
 `finish_reason`, `src`/`dst` (worker ids); never a request id.
 
 What is observed, and when (every hook runs on the router's event loop, so nothing here locks):
@@ -33,11 +33,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import start_wsgi_server
 
 from protocol import PoolKind
 from protocol.messages import SpecCounts
+from router.metrics_export import CostGauges
 from router.observer import RequestObserver
 
 if TYPE_CHECKING:
@@ -84,7 +83,7 @@ class Metrics(RequestObserver):
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.model = model
         self.registry = registry or CollectorRegistry()
-        self._cost_gauges: _CostGauges | None = None
+        self._cost_gauges: CostGauges | None = None
         r = self.registry
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds", "Arrival at the router to the first token sent to the "
@@ -199,7 +198,7 @@ class Metrics(RequestObserver):
     def watch_cost(self, cost: CostModel) -> None:
         if self._cost_gauges is not None:  # (a router replaced in this process: read the new one's)
             self.registry.unregister(self._cost_gauges)
-        self._cost_gauges = _CostGauges(self.model, cost)
+        self._cost_gauges = CostGauges(self.model, cost)
         self.registry.register(self._cost_gauges)
 
     def on_event(self, req: ValidatedRequest, state: RequestState, event: RouterEvent) -> None:
@@ -349,59 +348,3 @@ def _pool_label(pool: PoolKind | str) -> str:
 def _decode_pool(ttft_pool: PoolKind | str) -> str:
     """The pool that decodes a request whose first token came from `ttft_pool`."""
     return PoolKind.DECODE.value if ttft_pool == PoolKind.PREFILL else _pool_label(ttft_pool)
-
-
-class _CostGauges:
-    """The router's cost model as gauges, read at scrape time: what placement decides by, and what a P:D
-    planner would size the pools from. Only measured values appear (a worker that left is forgotten)."""
-
-    def __init__(self, model: str, cost: CostModel) -> None:
-        self.model, self.cost = model, cost
-
-    def collect(self):
-        m = self.cost.measured()
-        worker = ["model", "worker"]
-        for name, doc, labels, values in (
-            ("pdserve_cost_prefill_tokens_per_second", "A prefill worker's measured prefill rate (uncached "
-             "prompt tokens per second, EWMA).", worker, m.prefill_tokens_per_s),
-            ("pdserve_cost_link_bytes_per_second", "A (prefill, decode) pair's measured KV transfer rate (bytes "
-             "per second, EWMA).", ["model", "src", "dst"], m.link_bytes_per_s),
-            ("pdserve_cost_decode_step_seconds", "A decode worker's measured step time at the batches it ran "
-             "lately (seconds, weighted mean).", worker, m.decode_step_s),
-            ("pdserve_cost_decode_step_per_sequence_seconds", "What one more sequence adds to a decode worker's "
-             "step (seconds, fitted).", worker, m.decode_step_per_seq_s),
-        ):
-            family = GaugeMetricFamily(name, doc, labels=labels)
-            for key, value in values.items():
-                family.add_metric([self.model, *(key if isinstance(key, tuple) else (key,))], value)
-            yield family
-
-
-class _Labelled:
-    """A registry whose every sample carries `labels` too (a router replica's, so replicas' series differ)."""
-
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        self.registry = registry
-        self.labels = labels
-
-    def collect(self):
-        for metric in self.registry.collect():
-            metric.samples = [s._replace(labels={**s.labels, **self.labels}) for s in metric.samples]
-            yield metric
-
-
-class MetricsEndpoint:
-    """A registry served over HTTP at `/metrics` from a daemon thread (prometheus_client's WSGI server)."""
-
-    def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 labels: dict[str, str] | None = None) -> None:
-        """Bind `host:port` (port 0: any free port, see `.port`); raises OSError when it cannot. `labels`
-        are added to every sample."""
-        self._httpd, self._thread = start_wsgi_server(port, host.strip("[]"),
-                                                      _Labelled(registry, labels) if labels else registry)
-        self.port: int = self._httpd.server_port
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(5)

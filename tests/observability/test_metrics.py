@@ -15,7 +15,8 @@ from control.config import ServeConfig
 from control.server import Server
 from protocol import PoolKind
 from router.cost_model import CostModel
-from router.metrics import ITL_BUCKETS, TTFT_BUCKETS, Metrics, MetricsEndpoint
+from router.metrics import ITL_BUCKETS, TTFT_BUCKETS, Metrics
+from router.metrics_export import MetricsEndpoint
 from tests.observability.factories import (
     MODEL,
     drive_every_hook,
