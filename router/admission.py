@@ -5,12 +5,12 @@ Disaggregated attempt:
      among live workers whose queued prefill tokens stay under `max_queued_prefill_tokens`;
   2. decode worker = same node as that prefill worker when one has room, else most free blocks
      (`choose_decode`); `reserve` there returns the destination blocks as a lease, or None when it is out
-     of room, in which case the request waits in a bounded admission queue (past the bound:
-     RESOURCE_EXHAUSTED at once, before any prefill). The lease is renewed on every heartbeat of the
-     prefill worker (`on_heartbeat`), so it lasts as long as the prefill makes progress, however long that
-     is. A prompt longer than its prefill worker's horizon is reserved late instead, when that worker nears
-     its last chunk (`_may_defer`, `reserve_late`): blocks reserved at placement would sit idle while it
-     queues. With joint placement (the default) the (prefill, decode) pair, or the decode worker alone, is
+     of room, in which case the request waits in a bounded admission queue (`router.admission_queue`; past
+     the bound: RESOURCE_EXHAUSTED at once, before any prefill). The lease is renewed on every heartbeat of
+     the prefill worker (`on_heartbeat`), so it lasts as long as the prefill makes progress, however long
+     that is. A prompt longer than its prefill worker's horizon is reserved late instead, when that worker
+     nears its last chunk (`_may_defer`, `reserve_late`): blocks reserved at placement would sit idle while
+     it queues. With joint placement (the default) the (prefill, decode) pair, or the decode worker alone, is
      the cheapest by the cost model (`placement.choose_path`).
 
 The prompt's uncached tokens count in its prefill worker's queue (`Worker.inflight_prefill_tokens`) from the
@@ -23,12 +23,12 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 from engine.config import cdiv
 from protocol import Cause, Path, PoolKind
 from protocol.block_hash import hash_blocks, salt_root
 from protocol.messages import Reservation
+from router.admission_queue import AdmissionQueue
 from router.lifecycle import Attempt, AttemptFailed, Phase
 from router.placement import PrefillChoice, RoundRobinPrefill, choose_decode, choose_path, choose_prefill
 from router.registry import Worker
@@ -40,14 +40,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["Admission"]
 
 
-@dataclass(eq=False)
-class _Waiter:
-    """An attempt in the admission queue."""
-
-    priority: int  # its request's class: higher classes try the room first, the lowest is shed first
-    shed: bool = False  # set when a higher class took its place in a full queue
-
-
 class Admission:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
@@ -57,8 +49,7 @@ class Admission:
         self.index = shared.index
         self.cost = shared.cost
         self.policy = choose_prefill if self.config.policy == "prefix" else RoundRobinPrefill()
-        self.num_queued = 0  # attempts waiting in the admission queue
-        self._waiting: list[_Waiter] = []  # those attempts, in arrival order
+        self.queue = AdmissionQueue(shared)  # where attempts wait for decode room
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -161,7 +152,7 @@ class Admission:
                     return Path.REMOTE
                 full.add(decode.worker_id)
                 att.forget_placement()
-            await self._queue_for_room(need, deadline, att.priority)
+            await self.queue.wait_for_room(need, deadline, att.priority)
 
     async def choose_prefill(self, att: Attempt) -> PrefillChoice:
         """A live prefill (or colocated) worker for the attempt's prompt, waiting for one while none is alive."""
@@ -214,7 +205,7 @@ class Admission:
             # NOTE: a prompt waiting for decode room is not in the prefill worker's queue: don't count it there
             self.uncount_prefill(prefill, att.prefill_tokens)
             try:
-                await self._queue_for_room(need, deadline, att.priority)
+                await self.queue.wait_for_room(need, deadline, att.priority)
             finally:
                 self.count_prefill(prefill, att.prefill_tokens)
 
@@ -326,36 +317,6 @@ class Admission:
             raise AttemptFailed(Cause.WORKER_ERROR, prefill.worker_id, "the prompt left its prefill worker before "
                                 "its decode blocks were set")
         return att.decode
-
-    async def _queue_for_room(self, need: int, deadline: float, priority: int) -> None:
-        """Wait in the bounded admission queue until blocks may have been freed and no higher priority class
-        waits; RESOURCE_EXHAUSTED past `deadline`. A full queue sheds its newest waiter of the lowest class
-        below `priority` to make room (RESOURCE_EXHAUSTED for it), or refuses this one at once."""
-        if self.num_queued >= self.config.max_queue:
-            lower = [w for w in self._waiting if w.priority < priority and not w.shed]
-            if not lower:
-                raise RouterError("RESOURCE_EXHAUSTED", f"no decode worker has room for {need} KV blocks and "
-                                  f"the admission queue is full ({self.config.max_queue} waiting); retry later")
-            lowest = min(w.priority for w in lower)
-            victim = [w for w in lower if w.priority == lowest][-1]
-            victim.shed = True
-            self.shared.room.set()  # (wakes it: it leaves at once)
-        me = _Waiter(priority)
-        self._waiting.append(me)
-        self.num_queued += 1
-        try:
-            while True:
-                await self.shared.wait_room(deadline, "RESOURCE_EXHAUSTED", f"no decode worker had room for {need} "
-                                            f"KV blocks within {self.config.admission_timeout_s:.0f}s; retry later")
-                if me.shed:
-                    raise RouterError("RESOURCE_EXHAUSTED", f"shed from the full admission queue for a request of a "
-                                      f"higher priority class than this one's ({priority}); retry later")
-                # NOTE: strict priority: a higher class that waits tries the room first
-                if not any(w.priority > priority and not w.shed for w in self._waiting):
-                    return
-        finally:
-            self._waiting.remove(me)
-            self.num_queued -= 1
 
     @staticmethod
     def check_fits(need: int, workers: list[Worker], pool: PoolKind) -> None:

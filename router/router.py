@@ -109,7 +109,7 @@ class Router:
     @property
     def num_queued(self) -> int:
         """Requests waiting in the admission queue for KV room."""
-        return self.admission.num_queued
+        return self.admission.queue.num_queued
 
     async def close(self) -> None:
         """Stop listening to the workers (the deployment is shutting down)."""

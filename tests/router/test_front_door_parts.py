@@ -164,7 +164,7 @@ def test_the_admission_queue_serves_higher_classes_first_and_sheds_the_lowest():
 
         async def wait(name: str, priority: int):
             try:
-                await admission._queue_for_room(1, time.time() + 10, priority)
+                await admission.queue.wait_for_room(1, time.time() + 10, priority)
                 order.append(name)
             except RouterError as e:
                 order.append(f"{name}: {e.code}")
