@@ -44,6 +44,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.tokenizer import Tokenizer
+from engine.vllm_layout import VllmCpuLayout, tokens_of
 from protocol.block_hash import BlockHash, hash_block
 from protocol.messages import EngineLoad, LoadReport, StepStats
 
@@ -133,30 +134,22 @@ class VllmEngine(EngineBackend):
             f"{self.num_blocks} KV blocks of {block_size} tokens, {self.cache_spec.dtype}, {device}")
 
     def _view_cache(self, block_size: int) -> tuple[KVCache, KVCacheSpec]:
-        """vLLM's per-layer caches as one pdserve-layout view over the same memory (no copy).
-
-        vLLM's CPU layer cache is [num_blocks, kv_heads, block_size, 2 * head_dim], read by its kernel as
-        [num_blocks, kv_heads, 2 * block_size, head_dim]: each head's keys, then its values. Every layer lies
-        in one storage, layer after layer, so the whole cache is one strided tensor."""
+        """vLLM's per-layer caches as one pdserve-shaped view over the same memory (no copy), its bytes in
+        vLLM's order (`engine.vllm_layout`: what the transport ships; `kv_of` maps it by position)."""
         caches = self._bridge.kv_caches
         assert caches, "vLLM registered no KV caches with the pdserve connector"
-        layers = list(caches.values())
-        first = layers[0]
-        n, heads, bs, two_d = first.shape
-        if bs != block_size:
-            raise ValueError(f"vLLM's KV cache has blocks of {bs} tokens; CacheConfig.block_size asked {block_size}")
-        step = first.numel()
-        if any(t.shape != first.shape or t.data_ptr() - first.data_ptr() != i * step * t.element_size()
-               for i, t in enumerate(layers)):
-            raise NotImplementedError("vLLM's KV layers are not one storage layer after layer; this vLLM "
-                                      "version's cache layout is not supported by the pdserve connector")
-        whole = torch.as_strided(first, (len(layers), *first.shape), (step, *first.stride()),
-                                 first.storage_offset())
-        head_dim = two_d // 2
-        # [L, N, H, 2, bs, D] -> [L, 2, N, bs, H, D]
-        view = whole.view(len(layers), n, heads, 2, bs, head_dim).permute(0, 3, 1, 4, 2, 5)
-        spec = KVCacheSpec(len(layers), heads, head_dim, bs, first.dtype)
-        return KVCache.over(spec, view), spec
+        first = next(iter(caches.values()))
+        if first.device.type != "cpu":
+            raise NotImplementedError(f"the pdserve connector maps vLLM's CPU KV layout only; this engine's cache is "
+                                      f"on {first.device}")
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        config = self.llm.vllm_config
+        model_dtype: Any = config.model_config.dtype  # a torch.dtype once vLLM resolved it
+        # NOTE: the kernel vLLM's CPU attention picks (`CPUAttentionMetadataBuilder`), as it picks it
+        isa = _get_attn_isa(model_dtype, block_size, first.shape[-1] // 2, config.cache_config.cache_dtype)
+        layout = VllmCpuLayout.over(caches, block_size, isa)
+        return layout.blocks, layout.spec
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -200,12 +193,15 @@ class VllmEngine(EngineBackend):
         return True
 
     def kv_of(self, request_id: str, num_tokens: int) -> Any:
+        """By position, so through `vllm_layout.tokens_of`: both caches hold blocks in vLLM's byte order."""
         staged = self._staged.get(request_id)
-        if staged is None:
-            return super().kv_of(request_id, num_tokens)
-        assert self._landing is not None  # landed, not loaded into vLLM yet: it is in the staging cache
-        blocks = staged[:cdiv(num_tokens, self.cache_spec.block_size)]
-        return self._landing.tensor[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
+        if staged is not None:
+            assert self._landing is not None  # landed, not loaded into vLLM yet: it is in the staging cache
+            return tokens_of(self._landing.tensor, staged, num_tokens)
+        req = self._requests.get(request_id) or self._paused.get(request_id)
+        if req is None or req.num_computed_tokens < num_tokens:
+            return None
+        return tokens_of(self.kv_cache.tensor, req.block_ids, num_tokens)
 
     def enqueue(self, request: Request) -> None:
         extra = {"kv_transfer_params": {"pdserve_send": True}} if request.prefill_only else None

@@ -97,8 +97,17 @@ def server(ray_cluster):
 @needs_vllm
 @pytest.mark.slow
 def test_disaggregated_greedy_output_equals_transformers_over_grpc(server, reference):
+    """Greedy equal to transformers, and (`--verify-kv-moves`) the KV each decode worker holds equal, bit for
+    bit, to what the prefill worker computed and sent: SHA-256 of every layer's K and V at the prompt's
+    positions, read by position through `engine.vllm_layout` at both ends."""
+    checks = server.server.router.kv_checks
+    before = len(checks)
     with ThreadPoolExecutor(4) as pool:  # concurrently, so both engines batch
         results = list(pool.map(lambda p: server.generate(greedy_request(p, MAX_TOKENS, ignore_eos=True)), PROMPTS))
+    new = list(checks)[before:]
+    lengths = sorted(r[-1].usage.prompt_tokens for r in results)
+    assert sorted(c.num_tokens for c in new) == lengths, (new, lengths)
+    assert all(c.equal and c.dst_digest is not None for c in new), new
     for prompt, want, responses in zip(PROMPTS, reference, results):
         assert token_ids(responses) == want, prompt
         last = responses[-1]
