@@ -23,6 +23,7 @@ Two views, for two jobs:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -39,6 +40,20 @@ class VllmCpuLayout:
     def __init__(self, spec: KVCacheSpec, blocks: KVCache) -> None:
         self.spec = spec
         self.blocks = blocks
+
+    @classmethod
+    def for_engine(cls, kv_caches: Mapping[str, torch.Tensor], vllm_config: Any, block_size: int) -> VllmCpuLayout:
+        """The view over a running vLLM engine's caches, for the attention kernel its CPU backend picks."""
+        first = next(iter(kv_caches.values()))
+        if first.device.type != "cpu":
+            raise NotImplementedError(f"the pdserve connector maps vLLM's CPU KV layout only; this engine's cache is "
+                                      f"on {first.device}")
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model_dtype: Any = vllm_config.model_config.dtype  # a torch.dtype once vLLM resolved it
+        # NOTE: the kernel as `CPUAttentionMetadataBuilder` picks it, from the same four values
+        isa = _get_attn_isa(model_dtype, block_size, first.shape[-1] // 2, vllm_config.cache_config.cache_dtype)
+        return cls.over(kv_caches, block_size, isa)
 
     @classmethod
     def over(cls, kv_caches: Mapping[str, torch.Tensor], block_size: int, isa: str) -> VllmCpuLayout:
