@@ -57,7 +57,7 @@ def _fake_worker_classes():
         async def report(self, since, timeout):
             return LoadReport(self.worker_id, EngineLoad(0, 0, 0, 1 << 20, 1 << 20, 0))
 
-        async def prefill(self, key, prompt, params, reservation, cache_since=None):
+        async def prefill(self, key, prompt, params, reservation, cache_since=None, verify_kv=False):
             now, token = time.time(), 1000 + len(prompt) % 1000
             yield FirstToken(key, token, None, 0, now, now)
             yield PrefillResult(key, token, None, 0, scheduled_at=now, sampled_at=now, kv_done_at=now)

@@ -27,14 +27,11 @@ Every request id here is the router's attempt key: unique per attempt, never reu
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from engine.backend import EngineBackend, create_engine
 from engine.config import EngineConfig, cdiv
@@ -261,10 +258,10 @@ class DecodeWorker(WorkerBase):
         sequence's source and destination must agree on bit for bit (`--verify-kv-moves`)."""
 
         def digest() -> str:
-            kv = self.engine.kv_of(request_id, num_tokens)
-            if kv is None:
+            sha = self.engine.kv_digest(request_id, num_tokens)
+            if sha is None:
                 raise ValueError(f"request {request_id!r} holds no KV for {num_tokens} tokens on {self.worker_id}")
-            return hashlib.sha256(kv.contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
+            return sha
 
         return await self._on_loop(digest)
 

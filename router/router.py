@@ -20,6 +20,7 @@ tells the workers that may hold something for it to free it (`_end_attempt`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -34,6 +35,7 @@ from router.admission import Admission
 from router.cache_view import CacheView
 from router.config import RouterConfig
 from router.drains import Drains, KVMove
+from router.kv_checks import KVCheck, check_transfer
 from router.lifecycle import Attempt, AttemptFailed, Phase, RequestState, Timing
 from router.observer import RequestObserver
 from router.registry import Worker, WorkerRegistry
@@ -89,6 +91,7 @@ class Router:
         self.holds_work = self.drains.holds_work
         self.drain_worker = self.drains.drain_worker
         self.kv_moves = self.drains.kv_moves
+        self.kv_checks: collections.deque[KVCheck] = collections.deque(maxlen=1024)  # --verify-kv-moves
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -333,6 +336,9 @@ class Router:
                 raise AttemptFailed(Cause.DECODE_LOST, att.lost_notice.worker_id, att.lost_notice.reason)
             cause = Cause.KV_TRANSFER if result.kv_failed else Cause.WORKER_ERROR
             raise AttemptFailed(cause, prefill.worker_id, result.error or "prefill failed")
+        if result.kv_digest is not None:
+            await check_transfer(state.id, att, prefill, decode, result.kv_digest, self.config.call_timeout_s,
+                                 self.kv_checks)
         if first:
             state.timing.kv_transfer = result.kv_done_at - result.sampled_at
         state.to(Phase.DECODING)

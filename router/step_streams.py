@@ -157,7 +157,8 @@ class StepStreams:
         """The prefill stream's items (the first token, then the outcome), abandoned as soon as either of the
         attempt's workers is lost."""
         items = aiter(prefill.client.prefill(att.key, att.prompt, att.params, att.reservation,
-                                             self.shared.index.cursor(prefill.worker_id)))
+                                             self.shared.index.cursor(prefill.worker_id),
+                                             verify_kv=self.shared.config.verify_kv_moves))
         lost = att.lost  # (awaited, never cancelled here: it is the attempt's)
         try:
             while True:

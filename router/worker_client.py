@@ -78,9 +78,11 @@ class WorkerClient(ABC):
 
     @abstractmethod
     def prefill(self, key: str, prompt: list[int], params: SamplingParams, reservation: Reservation | None,
-                cache_since: int | None = None) -> AsyncIterator[DestinationWanted | FirstToken | PrefillResult]:
+                cache_since: int | None = None, verify_kv: bool = False
+                ) -> AsyncIterator[DestinationWanted | FirstToken | PrefillResult]:
         """The first token as soon as it is sampled, then the outcome once the KV landed (a failure: only
-        the outcome), whose load report holds the prefix-cache changes after `cache_since`. No timeout: a
+        the outcome), whose load report holds the prefix-cache changes after `cache_since` (and with
+        `verify_kv`, the SHA-256 of the KV sent). No timeout: a
         long prompt takes what it takes; liveness watches the worker meanwhile. With no `reservation`, first
         a `DestinationWanted` when the prompt nears its last chunk, which waits for `set_destination`."""
 
@@ -179,9 +181,9 @@ class RayWorkerClient(WorkerClient):
     async def renew(self, keys: list[str], timeout: float) -> list[str]:
         return await self._call(self.actor.renew.remote(keys), timeout)
 
-    async def prefill(self, key, prompt, params, reservation, cache_since=None):
+    async def prefill(self, key, prompt, params, reservation, cache_since=None, verify_kv=False):
         async for item in self._stream(self.actor.prefill.options(num_returns="streaming").remote(
-                key, prompt, params, reservation, cache_since), "prefill"):
+                key, prompt, params, reservation, cache_since, verify_kv), "prefill"):
             yield item
 
     async def set_destination(self, key: str, reservation: Reservation, timeout: float) -> bool:

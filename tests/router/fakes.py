@@ -178,7 +178,7 @@ class FakeWorker(WorkerClient):
         self.renewed += keys
         return [k for k in keys if k not in self.reserved]
 
-    async def prefill(self, key, prompt, params: SamplingParams, reservation, cache_since=None):
+    async def prefill(self, key, prompt, params: SamplingParams, reservation, cache_since=None, verify_kv=False):
         await self._enter()
         self.keys.append(key)
         self.held[key] = cdiv(len(prompt), BLOCK)

@@ -97,8 +97,17 @@ def server(ray_cluster):
 @needs_vllm
 @pytest.mark.slow
 def test_disaggregated_greedy_output_equals_transformers_over_grpc(server, reference):
+    """Greedy equal to transformers, and (`--verify-kv-moves`) the KV each decode worker holds equal, bit for
+    bit, to what the prefill worker computed and sent: SHA-256 of every layer's K and V at the prompt's
+    positions, read by position through `engine.vllm_layout` at both ends."""
+    checks = server.server.router.kv_checks
+    before = len(checks)
     with ThreadPoolExecutor(4) as pool:  # concurrently, so both engines batch
         results = list(pool.map(lambda p: server.generate(greedy_request(p, MAX_TOKENS, ignore_eos=True)), PROMPTS))
+    new = list(checks)[before:]
+    lengths = sorted(r[-1].usage.prompt_tokens for r in results)
+    assert sorted(c.num_tokens for c in new) == lengths, (new, lengths)
+    assert all(c.equal and c.dst_digest is not None for c in new), new
     for prompt, want, responses in zip(PROMPTS, reference, results):
         assert token_ids(responses) == want, prompt
         last = responses[-1]
@@ -166,6 +175,10 @@ def _tiny_model(root, family: str):
                  bos_token_id=1, eos_token_id=2)
     if family == "qwen3":
         config, cls = transformers.Qwen3Config(**shape), transformers.Qwen3ForCausalLM
+    elif family == "gemma3":  # Gemma 3's text model: one sliding-window layer (64 tokens), one global
+        config = transformers.Gemma3TextConfig(**shape, query_pre_attn_scalar=64, sliding_window=64,
+                                               layer_types=["sliding_attention", "full_attention"])
+        cls = transformers.Gemma3ForCausalLM
     else:  # a mixture of experts: 4 experts, 2 per token, every layer sparse
         config = transformers.Qwen3MoeConfig(**shape, moe_intermediate_size=64, num_experts=4,
                                              num_experts_per_tok=2, decoder_sparse_step=1)
@@ -180,7 +193,7 @@ def _tiny_model(root, family: str):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe", "gemma3"])
 def test_other_model_families_through_disaggregation(ray_cluster, tmp_path, family):
     """Models the built-in engine cannot load, served 1P+1D over vLLM: greedy equal to transformers."""
     path = _tiny_model(tmp_path, family.replace("-", ""))

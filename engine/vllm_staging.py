@@ -1,0 +1,67 @@
+"""The staging cache of a vLLM decode worker: where KV from a prefill worker lands before vLLM holds it.
+
+vLLM allocates a request's blocks only when it schedules the request, but a decode worker must name its
+destination blocks before the prompt is computed elsewhere. So a reservation is blocks of this cache, in
+pdserve's shape [layers, 2, blocks, block_size, kv_heads, head_dim], holding blocks in vLLM's byte order (as
+the sender read them from vLLM's cache, `engine.vllm_layout`); once vLLM has allocated the request's own
+blocks, `load_into` copies them across whole and the staging blocks go back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.vllm_layout import tokens_of
+
+
+class StagingCache:
+    """Blocks reserved per request (by pdserve id) until their KV is loaded into vLLM or the request ends."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
+        self.cache = KVCache(spec, num_blocks, device)
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._staged: dict[str, list[int]] = {}  # request id -> its staging blocks, in prompt order
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_reserved(self) -> int:
+        return sum(len(b) for b in self._staged.values())
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._staged
+
+    def reserve(self, request_id: str, n: int) -> list[int] | None:
+        """`n` blocks for `request_id`; None when fewer are free."""
+        if n > len(self._free):
+            return None
+        blocks = self._staged[request_id] = [self._free.pop() for _ in range(n)]
+        return blocks
+
+    def release(self, request_id: str) -> None:
+        """Give a request's blocks back (a no-op when it holds none)."""
+        self._free.extend(self._staged.pop(request_id, ()))
+
+    def tokens(self, request_id: str, num_tokens: int) -> torch.Tensor | None:
+        """K and V of the request's first `num_tokens` positions as landed here, pdserve's layout."""
+        staged = self._staged.get(request_id)
+        return None if staged is None else tokens_of(self.cache.tensor, staged, num_tokens)
+
+    def load_into(self, request_id: str, first_block: int, dst: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copy the request's staged blocks from prompt block `first_block` on into `block_ids` of `dst` (vLLM's
+        cache, same shape and byte order), then release them all."""
+        staged = self._staged[request_id][first_block:first_block + len(block_ids)]
+        device = self.cache.device
+        src = torch.tensor(staged, dtype=torch.int64, device=device)
+        dst.index_copy_(2, torch.tensor(list(block_ids), dtype=torch.int64, device=device),
+                        self.cache.tensor.index_select(2, src))
+        self.release(request_id)
