@@ -76,10 +76,11 @@ def metrics_endpoint(metrics: Metrics, config: ServeConfig, labels: dict[str, st
     """`/metrics` on `config.metrics_port` (0: any free port); `labels` are added to every sample."""
     c = config
     assert c.metrics_port is not None
+    host = c.metrics_host or c.host
     try:
-        return MetricsEndpoint(metrics.registry, c.metrics_host or c.host, c.metrics_port, labels)
+        return MetricsEndpoint(metrics.registry, host, c.metrics_port, labels)
     except OSError as e:
-        raise ServeError(f"cannot serve metrics on {c.host}:{c.metrics_port} ({e}); is the "
+        raise ServeError(f"cannot serve metrics on {host}:{c.metrics_port} ({e}); is the "
                          "port taken? Pass another --metrics-port (0: any free port).") from e
 
 
