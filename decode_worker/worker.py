@@ -27,12 +27,13 @@ Every request id here is the router's attempt key: unique per attempt, never reu
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from decode_worker.step_fanout import StepFanout
 from engine.backend import EngineBackend, create_engine
 from engine.config import EngineConfig, cdiv
 from engine.request import Request, RequestStatus
@@ -46,14 +47,10 @@ from protocol.messages import (
     RouterId,
     StepOutput,
     TokenDelta,
-    owner_of,
 )
 
 # a reservation lapses this long after it was made or last renewed (the router renews it every ~0.5 s)
 DEFAULT_LEASE_S = 30.0
-# steps kept for a router replica that has not subscribed yet (a fresh worker reached first): beyond this the
-# replica is not coming (it died before subscribing), and its sequences are freed by `release_router`
-MAX_EARLY_STEPS = 4096
 
 
 @dataclass
@@ -102,34 +99,16 @@ class DecodeWorker(WorkerBase):
         self.pending: dict[str, _Pending] = {}
         self.held: set[str] = set()  # sequences held for a move: backpressure's resume leaves them paused
         self.moves: dict[str, _Move] = {}  # by the destination's attempt key
-        # each router replica's step stream, by its id ("" for a lone router): (its loop, its queue)
-        self._outboxes: dict[RouterId, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StepOutput]]] = {}
-        # NOTE: steps produced before their router subscribes (a request can reach a fresh worker first)
-        # wait here instead of being dropped: a dropped step is a missing token
-        self._outbox_lock = threading.Lock()
-        self._early: dict[RouterId, list[StepOutput]] = {}
-        self._released: set[RouterId] = set()  # router replicas gone: their late tokens go nowhere
+        self.steps = StepFanout()  # to each router replica, its attempts' tokens
         self._start_loop()
 
     async def stream_steps(self, router_id: RouterId = None) -> AsyncIterator[StepOutput]:
         """One message per engine step, forever, carrying the tokens of the attempts router replica
         `router_id` owns (`owner_of` their keys) and the load. Each replica holds one such stream per worker;
         subscribing again replaces the replica's previous stream."""
-        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-        with self._outbox_lock:
-            if router_id in self._released:
-                return  # a replica declared gone: a late subscription of its must not take steps again
-            self._outboxes[router_id] = (asyncio.get_running_loop(), queue)
-            early = self._early.pop(router_id, [])
-        try:
-            for out in early:
+        async with aclosing(self.steps.subscribe(router_id)) as steps:  # (closed with this stream)
+            async for out in steps:
                 yield out
-            while True:
-                yield await queue.get()
-        finally:
-            with self._outbox_lock:
-                if self._outboxes.get(router_id, (None, None))[1] is queue:
-                    del self._outboxes[router_id]
 
     # -- disaggregated ----------------------------------------------------------------------------------
 
@@ -283,13 +262,7 @@ class DecodeWorker(WorkerBase):
         return {*self.pending, *self.engine.requests}
 
     def _forget_router(self, router_id: RouterId, final: bool) -> None:
-        """`final`: the replica is gone (its clients' connections went with it): its steps go nowhere from now
-        on; otherwise it lost its step stream and subscribes again."""
-        with self._outbox_lock:
-            self._outboxes.pop(router_id, None)
-            self._early.pop(router_id, None)
-            if final:
-                self._released.add(router_id)
+        self.steps.forget(router_id, final)
 
     def _describe(self) -> dict:
         return {"pending": {rid: {"landed": p.landed, "first_token": p.first_token,
@@ -369,27 +342,7 @@ class DecodeWorker(WorkerBase):
             lambda: move.future.done() or move.future.set_result(outcome))
 
     def _on_step(self, out: StepOutput) -> None:
-        """Send the step to the router replicas: each gets its own attempts' tokens, and every one the load."""
-        with self._outbox_lock:
-            outboxes = dict(self._outboxes)
-        if len(outboxes) == 1 and not self._early:  # the usual case, one router: the step as it is
-            (owner, (loop, queue)), = outboxes.items()
-            if all(owner_of(d.request_id) == owner for d in out.deltas):
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-                return
-        by_owner: dict[str, list[TokenDelta]] = {owner: [] for owner in outboxes}
-        for d in out.deltas:
-            by_owner.setdefault(owner_of(d.request_id), []).append(d)
-        with self._outbox_lock:
-            for owner, deltas in by_owner.items():
-                part = StepOutput(out.step, out.time, deltas, out.load, out.stats)
-                if owner in self._outboxes:
-                    loop, queue = self._outboxes[owner]
-                    loop.call_soon_threadsafe(queue.put_nowait, part)
-                elif deltas and owner not in self._released:  # not subscribed yet: kept for its stream
-                    early = self._early.setdefault(owner, [])
-                    if len(early) < MAX_EARLY_STEPS:
-                        early.append(part)
+        self.steps.publish(out)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
         self._on_step(StepOutput(None, time.time(), deltas, self.engine.load()))

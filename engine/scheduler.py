@@ -26,7 +26,7 @@ from engine.block_allocator import BlockAllocator
 from engine.config import SchedulerConfig, SpeculativeConfig, cdiv
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.spec_decode import NgramProposer
+from engine.spec_decode import Drafter
 from protocol.messages import SpecCounts
 
 
@@ -67,9 +67,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
-        self.speculative = speculative if speculative is not None else SpeculativeConfig()
-        self.proposer = NgramProposer(self.speculative) if self.speculative.enabled else None
-        self.spec_stats = SpecCounts()
+        self.drafter = Drafter(speculative or SpeculativeConfig(), config.max_num_batched_tokens)
         self.kv = KVCacheManager(allocator, block_size)
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
@@ -78,6 +76,10 @@ class Scheduler:
         self.paused: dict[str, Request] = {}  # running sequences held out of the batch (a slow reader)
         self._step = 0  # schedule() calls so far: the clock fair order ages prompts by
         self._arrival_step: dict[str, int] = {}
+
+    @property
+    def spec_stats(self) -> SpecCounts:
+        return self.drafter.counts
 
     @property
     def num_unfinished(self) -> int:
@@ -116,14 +118,14 @@ class Scheduler:
         self._step += 1
         budget = self.config.max_num_batched_tokens
         fair = self.config.prefill_order == "fair"
-        draft_share = self._draft_share()
+        draft_share = self.drafter.share(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if fair and req.status == RequestStatus.PREFILLING:
                 i += 1  # prompts take their turn below, in fair order
                 continue
-            drafts = self._propose(req, min(budget - 1, draft_share))
+            drafts = self.drafter.propose(req, min(budget - 1, draft_share))
             if drafts and self.kv.grow(req, req.num_tokens + len(drafts)):
                 out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(drafts), drafts))
                 budget -= 1 + len(drafts)
@@ -275,7 +277,7 @@ class Scheduler:
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a partial prefill chunk: its sample is meaningless
             if decoding:
-                self._count(chunk, tokens)
+                self.drafter.count(chunk.draft_token_ids, tokens)
             req.num_new_tokens = 0
             advanced.append(req)
             if req.prefill_only:
@@ -345,36 +347,6 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._arrival_step.pop(req.request_id, None)
-
-    # -- speculation ------------------------------------------------------------------------------------
-
-    def _propose(self, req: Request, room: int) -> list[int]:
-        """Drafts for a decoding sequence: at most `room` (what the step's budget and draft cap leave), its
-        draft length, and what its max_tokens and context leave room for (all of them accepted plus the
-        target's own token must still fit)."""
-        if (self.proposer is None or req.params.disable_speculation
-                or req.num_computed_tokens != req.num_tokens - 1 or req.status != RequestStatus.RUNNING):
-            return []
-        room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
-        if req.max_model_len is not None:
-            room = min(room, req.max_model_len - req.num_tokens - 1)
-        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
-
-    def _draft_share(self) -> int:
-        """The most drafts one sequence may propose this step: an equal share of the step's draft cap over
-        the sequences that decode (at least one each)."""
-        cap = self.speculative.max_draft_tokens_per_step
-        if self.proposer is None or not cap:
-            return self.config.max_num_batched_tokens
-        decoding = sum(1 for r in self.running if r.status == RequestStatus.RUNNING)
-        return max(1, cap // max(1, decoding))
-
-    def _count(self, chunk: ScheduledChunk, tokens: list[int]) -> None:
-        st = self.spec_stats
-        accepted = len(tokens) - 1 if chunk.draft_token_ids else 0
-        self.spec_stats = SpecCounts(st.num_draft_tokens + len(chunk.draft_token_ids),
-                                     st.num_accepted_tokens + accepted, st.num_decode_seq_steps + 1,
-                                     st.num_decode_tokens + len(tokens))
 
     # -- blocks (`KVCacheManager`) ------------------------------------------------------------------------
 

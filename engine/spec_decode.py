@@ -16,8 +16,10 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import SpeculativeConfig
+from engine.request import Request, RequestStatus
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
+from protocol.messages import SpecCounts
 
 
 class NgramProposer:
@@ -42,6 +44,45 @@ class NgramProposer:
                 if tokens[end] == last and list(tokens[end - n + 1:end + 1]) == tail:
                     return list(tokens[end + 1:min(end + 1 + k, L)])
         return []
+
+
+class Drafter:
+    """The scheduler's side of speculation: how many drafts each decoding sequence may take this step,
+    the drafts themselves, and the running counts of drafted and accepted tokens."""
+
+    def __init__(self, config: SpeculativeConfig, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config) if config.enabled else None
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.counts = SpecCounts()
+
+    def share(self, running: list[Request]) -> int:
+        """The most drafts one sequence may propose this step: an equal share of the step's draft cap over
+        the sequences that decode (at least one each)."""
+        cap = self.config.max_draft_tokens_per_step
+        if self.proposer is None or not cap:
+            return self.max_num_batched_tokens
+        decoding = sum(1 for r in running if r.status == RequestStatus.RUNNING)
+        return max(1, cap // max(1, decoding))
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        """Drafts for a decoding sequence: at most `room` (what the step's budget and draft cap leave), its
+        draft length, and what its max_tokens and context leave room for (all of them accepted plus the
+        target's own token must still fit)."""
+        if (self.proposer is None or req.params.disable_speculation
+                or req.num_computed_tokens != req.num_tokens - 1 or req.status != RequestStatus.RUNNING):
+            return []
+        room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+        if req.max_model_len is not None:
+            room = min(room, req.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+
+    def count(self, drafts: list[int], tokens: list[int]) -> None:
+        """A decoding sequence's step: `drafts` proposed, `tokens` kept (the accepted ones plus its own)."""
+        c = self.counts
+        accepted = len(tokens) - 1 if drafts else 0
+        self.counts = SpecCounts(c.num_draft_tokens + len(drafts), c.num_accepted_tokens + accepted,
+                                 c.num_decode_seq_steps + 1, c.num_decode_tokens + len(tokens))
 
 
 def verify(logits: torch.Tensor, params: SamplingParams, position: int, drafts: list[int]) -> list[int]:

@@ -23,7 +23,8 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(_node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
+        # address="local": the session's own cluster, never one a `ray start` on this machine left registered
+        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=8, include_dashboard=False,
                  log_to_driver=True, runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
     assert ray.util.get_node_ip_address() == "127.0.0.1", "the test Ray cluster must live on loopback"
     yield ray
