@@ -53,6 +53,9 @@ def _name() -> str:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes())
+        # NOTE: the path too: torch writes the absolute source path into the build's ninja file, so two
+        # checkouts on one machine sharing a build directory rebuild it (~25-60 s) each time they alternate
+        h.update(str(src.resolve()).encode())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
