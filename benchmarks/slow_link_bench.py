@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -36,6 +37,8 @@ from benchmarks.output import emit
 HEAD_NS = "pdc-head"
 WARMUP = 4  # prompts per run before the steady-state share is counted
 SLOW_NODE_IP = "10.213.7.11"  # d1 (tests.cluster's addresses)
+# the cluster runs with Ray's token authentication: the runs on its head hold the token `up` made
+RAY_AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/tmp/pdc/auth_token"}  # tests.cluster's workdir
 
 
 def _cluster(*args: str) -> str:
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "--prompt-tokens", str(args.prompt_tokens), "--seed", str(len(runs) // 2),
                                   "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
                                   *(["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else [])],
-                                 stdout=subprocess.PIPE, text=True, timeout=1800)
+                                 stdout=subprocess.PIPE, text=True, timeout=1800,
+                                 env={k: v for k, v in {**os.environ, **RAY_AUTH}.items() if k != "RAY_AUTH_TOKEN"})
             lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
             if res.returncode != 0 or not lines:
                 raise RuntimeError(f"the {placement} run failed (exit {res.returncode})")

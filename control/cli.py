@@ -259,8 +259,8 @@ def stop(args: argparse.Namespace) -> int:
     from control.ray_cluster import init_ray
     from control.replica_set import stop_deployment
 
-    init_ray(args.ray_address, 0)
     try:
+        init_ray(args.ray_address, 0)
         lead = stop_deployment(args.port, args.grace)
     except ServeError as e:
         print(f"pdserve stop: {e}", file=sys.stderr)

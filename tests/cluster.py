@@ -7,16 +7,20 @@ can be throttled and cut.
       └── veth ── `<prefix>-d2`   eth0 10.213.7.12   ray worker {"decode_node": 1}
 
 Every node is a `ray start --block` process (so its pid is ours) with its own `--temp-dir`, so nothing it
-records (its session, `ray_current_cluster`) touches the machine's default Ray directory. Traffic between
-nodes crosses real veth links in a private /24 that exists only inside these namespaces. Link faults act on
-the switch side of a node's link: `throttle` (tbf, both directions), `cut` (link down), `restore`.
+records (its session, `ray_current_cluster`) touches the machine's default Ray directory. Ray's token
+authentication is on, as on a real deployment: `up` makes a fresh token in `<workdir>/auth_token`, which
+every process `popen` starts (the nodes, a harness on the head) holds; a node without it is refused.
+Traffic between nodes crosses real veth links in a private /24 that exists only inside these namespaces.
+Link faults act on the switch side of a node's link: `throttle` (tbf, both directions), `cut` (link down),
+`restore`.
 `down` kills every process inside the namespaces (`ip netns pids`: only what this module started runs
 there) and deletes them, the links and the bridge with them.
 
 By hand (as root):
 
     python -m tests.cluster up        # prints the head's address; then, e.g.:
-    ip netns exec pdc-head pdserve serve --ray-address 10.213.7.10:6379 \\
+    RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/tmp/pdc/auth_token \\
+        ip netns exec pdc-head pdserve serve --ray-address 10.213.7.10:6379 \\
         --prefill-resources '{"CPU": 1, "prefill_node": 1}' --decode-resources '{"CPU": 1, "decode_node": 1}'
     python -m tests.cluster throttle d1 100mbit | cut d1 | restore d1 | status
     python -m tests.cluster down
@@ -28,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -122,6 +127,10 @@ class NetnsCluster:
     def address(self) -> str:
         return f"{self.ip('head')}:{RAY_PORT}"
 
+    @property
+    def token_path(self) -> Path:
+        return self.workdir / "auth_token"
+
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def up(self, timeout: float = 90.0) -> None:
@@ -133,6 +142,9 @@ class NetnsCluster:
         for node in self.nodes:
             self._add_node(node.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.token_path.unlink(missing_ok=True)
+        with os.fdopen(os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
         for node in self.nodes:
             self.start_ray(node.name)
             if node.name == "head":
@@ -196,9 +208,14 @@ class NetnsCluster:
     # -- running things on a node ----------------------------------------------------------------------
 
     def popen(self, node: str, argv: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-        full_env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
-        full_env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # real addresses here, not loopback
-        full_env.pop("RAY_ADDRESS", None)
+        """`argv` on `node`, holding the cluster's Ray token unless `env` says otherwise."""
+        full_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+                    "RAY_USAGE_STATS_ENABLED": "0"}
+        # NOTE: RAY_AUTH_TOKEN would win over the file (Ray reads RAY_AUTH_TOKEN, else RAY_AUTH_TOKEN_PATH,
+        # else ~/.ray/auth_token); RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER pins to loopback, and these nodes are not
+        for name in ("RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS"):
+            full_env.pop(name, None)
+        full_env.update(env or {})
         return subprocess.Popen(["ip", "netns", "exec", self.ns(node), *argv], env=full_env, cwd=ROOT, **kw)
 
     # -- link faults and counters ----------------------------------------------------------------------

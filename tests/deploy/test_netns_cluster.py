@@ -1,8 +1,9 @@
 """pdserve on a real multi-node Ray cluster on this machine: nodes in network namespaces with their own
 addresses (`tests.cluster`), KV over veth links, a throttled link, a cut link.
 
-The default suite runs the cluster once for the addresses, greedy output across the nodes and a throttled
-link; `pytest -m soak tests/deploy/test_netns_cluster.py` runs the whole scenario, a cut link included (a
+The cluster runs with Ray's token authentication, and a node without its token is refused. The default
+suite runs the cluster once for the addresses, greedy output across the nodes and a throttled link;
+`pytest -m soak tests/deploy/test_netns_cluster.py` runs the whole scenario, a cut link included (a
 160-token stream whose decode node's link is cut for 12 s, then the pool growing back). The default suite's
 other tests of a lost worker: SIGSTOP past the liveness timeout (tests/chaos) and a node leaving and
 joining (tests/deploy/test_two_node.py).
@@ -13,6 +14,7 @@ Skipped, with the reason, where namespaces cannot be made (not root, no iproute2
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 
@@ -32,6 +34,8 @@ def _observe(*phases: str) -> dict:
     cluster = NetnsCluster()
     try:
         cluster.up()
+        rogues = [_rogue_node(cluster, env) for env in ({"RAY_AUTH_MODE": "disabled"},
+                                                        {"RAY_AUTH_TOKEN": secrets.token_hex(32)})]
         proc = cluster.popen("head", [sys.executable, "-m", "tests.deploy.netns_harness", *phases],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         stdout, stderr = proc.communicate(timeout=900)
@@ -42,7 +46,20 @@ def _observe(*phases: str) -> dict:
     out = json.loads(lines[-1].removeprefix("RESULT "))
     assert proc.returncode == 0 and "error" not in out, f"{out}\n{stderr[-5000:]}"
     assert out["phases"] == list(phases), out["phases"]
-    return out
+    return {**out, "rogue_nodes": rogues}
+
+
+def _rogue_node(cluster: NetnsCluster, env: dict[str, str]) -> dict:
+    """A Ray node on d1 joining the head without the cluster's token (`env`): its exit status and whether
+    the head refused its token."""
+    # NOTE: one connection attempt, not Ray's 20 a second apart: each is refused alike
+    argv = ["ray", "start", "--address", cluster.address, "--node-ip-address", cluster.ip("d1"),
+            "--num-cpus", "1", "--temp-dir", str(cluster.workdir / "rogue")]
+    proc = cluster.popen("d1", argv, env={**env, "RAY_gcs_server_port_wait_time_s": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    text = proc.communicate(timeout=120)[0]
+    return {"env": sorted(env), "rc": proc.returncode, "refused": "InvalidAuthToken" in text,
+            "tail": text[-1500:]}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +74,7 @@ def observed_whole() -> dict:
 
 def check_addresses(observed: dict) -> None:
     ips = [f"{SUBNET}.{i}" for i in (10, 11, 12)]
-    assert observed["ray_node_ips"] == ips
+    assert observed["ray_node_ips"] == ips  # the three nodes holding the token; not the rogue ones
     assert observed["worker_ips"]["prefill-0"] == ips[0]
     assert sorted(v for k, v in observed["worker_ips"].items() if k.startswith("decode")) == ips[1:]
     assert observed["rendezvous_host"] == ips[0]  # the KV rendezvous listens on the head's own address
@@ -89,6 +106,12 @@ def check_cut_link(observed: dict) -> None:
 
 def test_every_node_and_worker_has_its_own_real_address(observed):
     check_addresses(observed)
+
+
+def test_the_cluster_runs_with_ray_token_auth_and_refuses_a_node_without_its_token(observed):
+    for rogue in observed["rogue_nodes"]:  # no token (RAY_AUTH_MODE=disabled), then another token
+        assert rogue["rc"] != 0 and rogue["refused"], rogue
+    assert len(observed["ray_node_ips"]) == 3  # the harness joined (with the token); no rogue node did
 
 
 def test_greedy_output_across_namespaces_equals_the_engine_and_the_kv_crossed_the_link(observed):
