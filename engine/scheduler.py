@@ -1,8 +1,8 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step, running sequences are served first (one token per decoding sequence, the next chunk for a prompt
-still prefilling), then waiting sequences are admitted FIFO while the budget, the sequence limit and the
-free blocks allow. With `prefill_order="fair"`, decoding sequences still come first, but every prompt
+still prefilling), then waiting sequences are admitted FIFO within their priority class, higher classes
+first, while the budget, the sequence limit and the free blocks allow. With `prefill_order="fair"`, decoding sequences still come first, but every prompt
 (prefilling or waiting) then takes the budget in order of its uncomputed tokens, lowered by how many steps
 it has waited: a short prompt is not stuck behind a long one, and the long one takes what is left of each
 step. All prompts together compute at most `prefill_chunk_tokens` per step, which bounds a new prompt's wait
@@ -151,7 +151,8 @@ class Scheduler:
             return out
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            # a higher priority class first; by arrival within a class (max keeps the first of equals)
+            req = max(self.waiting, key=lambda r: r.params.priority)
             if self._end_if_too_large(req, out):
                 continue
             if not self._admit(req, budget) and not self._admit_over_held(req, budget, out):

@@ -303,3 +303,16 @@ def test_fair_order_computes_a_higher_priority_class_first():
     # the short low-class prompt would go first by size; the class outranks it and takes the whole step
     assert [(c.request, c.num_tokens) for c in out.chunks] == [(high, 64)]
     assert low in engine.scheduler.waiting
+
+
+def test_fifo_order_admits_a_higher_priority_class_first_and_by_arrival_within_a_class():
+    engine = make_engine(max_num_batched_tokens=64, prefill_order="fifo", max_num_seqs=1)
+    first = engine.add_request(PROMPT[:12], greedy(1, ignore_eos=True))
+    second = engine.add_request(PROMPT[:14], greedy(1, ignore_eos=True))
+    high = engine.add_request(LONG, greedy(1, ignore_eos=True, priority=5))
+    admitted = []
+    for _ in range(20):
+        out = engine.scheduler.schedule()
+        admitted += [c.request for c in out.chunks if c.start == 0]
+        engine.scheduler.update(out, [[0] for _ in out.chunks])
+    assert admitted == [high, first, second]  # the class outranks arrival; within a class, arrival order
