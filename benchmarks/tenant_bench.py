@@ -1,0 +1,207 @@
+"""What one tenant's overload costs another, and what a low-priority burst costs a high-priority request:
+first-token latency measured side by side in one run (SmolLM2, 1 prefill + 1 decode worker, local Ray, gRPC
+on loopback, three tenants from an `--api-keys` table).
+
+    python -m benchmarks.tenant_bench [--prompt-tokens 256] [--probes 8] [--flood 12] [--burst 12]
+                                      [--rounds 3] [--json] [--out FILE]
+
+Tenants: `flood` (at most 2 requests at a time, priority class 0), `batch` (no limits, class 0) and
+`interactive` (no limits, class 9). Every prompt is fresh random tokens, so no prefix cache helps anyone.
+- **idle**: `interactive` sends `--probes` requests one after another: its TTFT with the server to itself.
+- **overload**: `--flood` clients of `flood` send requests in a closed loop, as fast as they are answered;
+  all but 2 at a time are refused at the door (RESOURCE_EXHAUSTED). Meanwhile `interactive` probes again.
+  Then the same with clients that wait out each refusal's `retry-after` (polite ones): the difference is
+  what the refusals themselves cost the router's CPU. Reported: TTFT p50 over the idle p50, and how long
+  the refusals took.
+- **burst**: `batch` sends `--burst` prompts at once; 0.2 s later `interactive` (class 9) sends one, and
+  `batch` one more at its own class 0 (the control): each round's first tokens of both, `--rounds` times.
+  A higher class is computed first by the prefill worker (fair order) and admitted first by the router, so
+  the high-priority request waits for at most the engine step in progress; the control waits for the burst.
+  Reported: each one's TTFT minus the idle TTFT, in units of the idle prefill time of one prompt (one step:
+  a prompt of `--prompt-tokens` is one prefill chunk).
+Every worker is a process on this machine's 2 cores: compare the ratios from one run, not the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from benchmarks.output import emit
+from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.security import ClientSecurity
+
+KEYS = {"flood": "sk-bench-flood-0001", "batch": "sk-bench-batch-0001", "interactive": "sk-bench-inter-0001"}
+TABLE = {"tenants": {"flood": {"max_concurrent_requests": 2, "priority": 0},
+                     "batch": {"priority": 0}, "interactive": {"priority": 9}},
+         "keys": [{"key": key, "tenant": tenant, "role": "client"} for tenant, key in KEYS.items()]}
+
+
+class Client:
+    """One tenant's channel; `first_token` sends a fresh prompt and times its first token."""
+
+    def __init__(self, address: str, tenant: str, vocab: int, prompt_tokens: int, seed: int) -> None:
+        self.channel = ClientSecurity(api_key=KEYS[tenant]).channel(address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.rng, self.vocab, self.prompt_tokens = random.Random(seed), vocab, prompt_tokens
+        self.retry_after = 0.0  # what the last refusal's `retry-after` trailer asked for, seconds
+
+    def first_token(self, priority: int | None = None) -> tuple[str, float, float]:
+        """(status code name, seconds to the first token or to the refusal, the prefill worker's seconds)."""
+        prompt = [self.rng.randrange(1, self.vocab) for _ in range(self.prompt_tokens)]
+        req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+            max_tokens=4, temperature=0.0, ignore_eos=True), priority=priority)
+        t0, ttft, last = time.monotonic(), None, None
+        try:
+            for r in self.stub.Generate(req, timeout=600):
+                if ttft is None and r.token_ids:
+                    ttft = time.monotonic() - t0
+                last = r
+        except grpc.RpcError as e:
+            trailers = dict(e.trailing_metadata() or ())
+            self.retry_after = float(trailers.get("retry-after", 0))
+            return e.code().name, time.monotonic() - t0, 0.0
+        return "OK", ttft if ttft is not None else time.monotonic() - t0, last.timing.prefill_seconds
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _flood(client: Client, stop: threading.Event, out: list[tuple[str, float, float]], polite: bool) -> None:
+    while not stop.is_set():
+        out.append(client.first_token())
+        if polite and out[-1][0] == "RESOURCE_EXHAUSTED":
+            stop.wait(client.retry_after)
+
+
+def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client, polite: bool) -> dict:
+    """`interactive`'s probes while `flood` floods (`polite`: its clients wait out each refusal's retry-after)."""
+    stop, flooded = threading.Event(), []
+    flooders = [Client(address, "flood", vocab, args.prompt_tokens, 100 + i) for i in range(args.flood)]
+    threads = [threading.Thread(target=_flood, args=(c, stop, flooded, polite), daemon=True) for c in flooders]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # the flood is on
+    probes = [inter.first_token() for _ in range(args.probes)]
+    stop.set()
+    for t in threads:
+        t.join(120)
+    for c in flooders:
+        c.close()
+    refused = [t for code, t, _ in flooded if code == "RESOURCE_EXHAUSTED"]
+    ttft = _p50([t for _, t, _ in probes])
+    print(f"overload ({'polite' if polite else 'ignoring retry-after'}): interactive TTFT p50 {ttft * 1e3:.0f} ms; "
+          f"flood: {len(flooded)} requests, {len(refused)} refused", file=sys.stderr, flush=True)
+    return {"ttft_p50_s": ttft, "flood_requests": len(flooded), "flood_refused": len(refused),
+            "flood_other_errors": sorted({code for code, _, _ in flooded} - {"OK", "RESOURCE_EXHAUSTED"}),
+            "refusal_p50_s": _p50(refused), "refusal_max_s": max(refused, default=float("nan"))}
+
+
+def _probe(client: Client, priority: int, into: dict, key: str) -> None:
+    into[key] = client.first_token(priority)
+
+
+def run(address: str, vocab: int, args: argparse.Namespace) -> dict:
+    inter = Client(address, "interactive", vocab, args.prompt_tokens, 1)
+    idle = [inter.first_token() for _ in range(args.probes)]
+    idle_ttft = _p50([t for _, t, _ in idle])
+    step_s = _p50([p for _, _, p in idle])
+    print(f"idle: interactive TTFT p50 {idle_ttft * 1e3:.0f} ms (prefill {step_s * 1e3:.0f} ms)",
+          file=sys.stderr, flush=True)
+    rude = _overload(address, vocab, args, inter, polite=False)
+    polite = _overload(address, vocab, args, inter, polite=True)
+
+    batch = [Client(address, "batch", vocab, args.prompt_tokens, 200 + i) for i in range(args.burst + 1)]
+    high, low = [], []
+    for rnd in range(args.rounds):
+        burst = [threading.Thread(target=c.first_token, daemon=True) for c in batch[:-1]]
+        for t in burst:
+            t.start()
+        time.sleep(0.2)  # the burst is queued and computing
+        got: dict[str, tuple[str, float, float]] = {}
+        probes = [threading.Thread(target=_probe, args=(inter, 9, got, "high")),
+                  threading.Thread(target=_probe, args=(batch[-1], 0, got, "low"))]
+        for t in probes:
+            t.start()
+        for t in probes + burst:
+            t.join(600)
+        high.append(got["high"][1])
+        low.append(got["low"][1])
+        print(f"burst round {rnd}: high-priority TTFT {got['high'][1] * 1e3:.0f} ms, "
+              f"low-priority {got['low'][1] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+    for c in [inter, *batch]:
+        c.close()
+
+    return {
+        "prompt_tokens": args.prompt_tokens, "probes": args.probes, "flood_clients": args.flood,
+        "burst": args.burst, "rounds": args.rounds,
+        "idle_ttft_p50_s": idle_ttft, "idle_prefill_p50_s": step_s,
+        "overload": {**rude, "over_idle": rude["ttft_p50_s"] / idle_ttft},
+        "overload_polite": {**polite, "over_idle": polite["ttft_p50_s"] / idle_ttft},
+        "burst_high_ttft_s": high, "burst_low_ttft_s": low,
+        "burst_high_excess_steps": (_p50(high) - idle_ttft) / step_s,
+        "burst_low_excess_steps": (_p50(low) - idle_ttft) / step_s,
+    }
+
+
+def _text(s: dict) -> str:
+    lines = [f"interactive TTFT p50 with the server to itself: {s['idle_ttft_p50_s'] * 1e3:.0f} ms"]
+    for key, how in (("overload", "ignoring retry-after"), ("overload_polite", "waiting out retry-after")):
+        o = s[key]
+        lines.append(f"  beside a tenant flooding {how}: {o['ttft_p50_s'] * 1e3:.0f} ms ({o['over_idle']:.2f}x); "
+                     f"{o['flood_refused']} of its {o['flood_requests']} requests refused at the door "
+                     f"(p50 {o['refusal_p50_s'] * 1e3:.1f} ms, max {o['refusal_max_s'] * 1e3:.1f} ms)")
+    lines.append(f"behind a burst of {s['burst']} class-0 prompts: the class-9 request waits "
+                 f"{s['burst_high_excess_steps']:.1f} steps more than idle, the class-0 one "
+                 f"{s['burst_low_excess_steps']:.1f} (one step: the idle prefill of one prompt, "
+                 f"{s['idle_prefill_p50_s'] * 1e3:.0f} ms)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--probes", type=int, default=8, help="interactive requests per phase")
+    ap.add_argument("--flood", type=int, default=12, help="closed-loop clients of the flooding tenant")
+    ap.add_argument("--burst", type=int, default=12, help="class-0 prompts sent at once")
+    ap.add_argument("--rounds", type=int, default=3, help="bursts, each with one probe of each class")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the JSON results to this file")
+    args = ap.parse_args(argv)
+
+    layout = Layout(1, 1)
+    start_ray([layout])
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = Path(tmp) / "keys.json"
+        keys.write_text(json.dumps(TABLE))
+        config = layout.serve_config(model=args.model, port=0, metrics_port=None, http_port=None,
+                                     worker_threads=1, num_blocks=2048, api_keys=str(keys))
+        print(f"starting {layout.description} for {args.model}...", file=sys.stderr, flush=True)
+        with LocalDeployment(config) as dep:
+            warm = Client(dep.address, "interactive", 1000, 8, 0)
+            vocab = warm.stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
+            warm.first_token()
+            warm.close()
+            summary = {"model": args.model, "layout": layout.label, **run(dep.address, vocab, args)}
+    emit(summary, args.out, args.json, _text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
