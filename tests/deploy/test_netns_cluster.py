@@ -34,8 +34,10 @@ def _observe(*phases: str) -> dict:
     cluster = NetnsCluster()
     try:
         cluster.up()
-        rogues = [_rogue_node(cluster, env) for env in ({"RAY_AUTH_MODE": "disabled"},
-                                                        {"RAY_AUTH_TOKEN": secrets.token_hex(32)})]
+        # both at once, each in its own temp dir: each is refused on its own
+        started = [_start_rogue_node(cluster, env, name) for env, name in (
+            ({"RAY_AUTH_MODE": "disabled"}, "rogue-none"), ({"RAY_AUTH_TOKEN": secrets.token_hex(32)}, "rogue-other"))]
+        rogues = [_rogue_outcome(env, proc) for env, proc in started]
         proc = cluster.popen("head", [sys.executable, "-m", "tests.deploy.netns_harness", *phases],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         stdout, stderr = proc.communicate(timeout=900)
@@ -49,14 +51,17 @@ def _observe(*phases: str) -> dict:
     return {**out, "rogue_nodes": rogues}
 
 
-def _rogue_node(cluster: NetnsCluster, env: dict[str, str]) -> dict:
-    """A Ray node on d1 joining the head without the cluster's token (`env`): its exit status and whether
-    the head refused its token."""
+def _start_rogue_node(cluster: NetnsCluster, env: dict[str, str], name: str) -> tuple[dict, subprocess.Popen]:
+    """A Ray node on d1 joining the head without the cluster's token (`env`)."""
     # NOTE: one connection attempt, not Ray's 20 a second apart: each is refused alike
     argv = ["ray", "start", "--address", cluster.address, "--node-ip-address", cluster.ip("d1"),
-            "--num-cpus", "1", "--temp-dir", str(cluster.workdir / "rogue")]
-    proc = cluster.popen("d1", argv, env={**env, "RAY_gcs_server_port_wait_time_s": "1"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            "--num-cpus", "1", "--temp-dir", str(cluster.workdir / name)]
+    return env, cluster.popen("d1", argv, env={**env, "RAY_gcs_server_port_wait_time_s": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _rogue_outcome(env: dict[str, str], proc: subprocess.Popen) -> dict:
+    """A rogue node's exit status and whether the head refused its token."""
     text = proc.communicate(timeout=120)[0]
     return {"env": sorted(env), "rc": proc.returncode, "refused": "InvalidAuthToken" in text,
             "tail": text[-1500:]}

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from engine import LLM
 from engine.checkpoint import byte_tokenizer, random_state_dict, write_checkpoint
-from engine.hub import TINY_RANDOM_CONFIG, smollm2_gguf_path
+from engine.hub import TINY_RANDOM_CONFIG
 from tests.engine.helpers import greedy, make_engine, rel_err, run_capturing_logits
 
 PROMPTS = [
@@ -34,14 +34,6 @@ def assert_logits_match(engine, hf, prompt_ids: list[int], max_tokens: int, tol:
     for i, ours in enumerate(steps):  # step 0 is the prefill, then one decode step per token
         ref = hf_next_logits(hf, tokens[:len(prompt_ids) + i])
         assert rel_err(ours, ref) <= tol, f"step {i}: relative error {rel_err(ours, ref):.2e}"
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf():
-    gguf = smollm2_gguf_path()
-    # NOTE: transformers dequantises and un-permutes the GGUF itself, independently of engine.gguf_loader.
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")

@@ -141,15 +141,10 @@ def test_engine_decodes_through_the_kernel_and_matches_the_gathering_path():
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoModelForCausalLM
-
+def smollm2(smollm2_hf):
     from engine import LLM
-    from engine.hub import smollm2_gguf_path
 
-    gguf = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+    hf = smollm2_hf
     return LLM("smollm2-135m", num_blocks=400, dtype="float32", device="cpu",
                max_num_batched_tokens=2048).engine, hf
 

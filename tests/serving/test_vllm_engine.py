@@ -263,13 +263,15 @@ def test_vllm_workers_killed_and_stopped_under_8_streams(server):
     """SIGKILL and SIGSTOP of vLLM workers in both pools under a closed loop of 8 streams: every stream ends
     with its undisturbed tokens (the built-in engine's, the harness's reference; a divergence only at a
     numerical near-tie is reported, never loosened), the pools come back, and every block is back in vLLM's
-    own counts. Runs after the drain (1P+1D by then).
+    own counts. The pools are brought back to the sizes they had when it began (1P+1D after the drain test,
+    1P+2D when it runs alone).
 
     NOTE: run before the drain, the drain's KV moves between two replacement decode workers differed from
     their source in 3 of 4 digests (2026-12-03; `--verify-kv-moves` caught them, the streams recomputed and
     stayed exact); on the first workers they are equal. An open bug, written down in docs/vllm_backend.md."""
-    from tests.chaos.harness import ChaosDriver, closed_loop, prompts, references, wait_recovered
+    from tests.chaos.harness import ChaosDriver, closed_loop, prompts, references, wait_recovered, worker_pids
 
+    sizes = {kind: len(worker_pids(server, kind)) for kind in ("prefill", "decode")}
     ids = prompts(8, seed=3)
     limits = [24 + 4 * i for i in range(8)]
     refs = references(ids, limits)
@@ -278,10 +280,10 @@ def test_vllm_workers_killed_and_stopped_under_8_streams(server):
     driver.start()
     outcome = closed_loop(server, ids, limits, refs, 8, 40)
     driver.join()
-    reports = wait_recovered(server, {"prefill": 1, "decode": 1}, timeout=240)
+    reports = wait_recovered(server, sizes, timeout=240)
     events = "\n".join(driver.log.events)
     assert any("SIGKILL" in e for e in driver.log.events) and any("SIGSTOP" in e for e in driver.log.events), events
     assert not outcome.errors and not outcome.mismatches, f"{outcome.errors} {outcome.mismatches}\n{events}"
     assert outcome.completed >= 8, outcome
-    assert len(reports) == 2 and all(r.load.free_blocks == r.load.total_blocks and not r.load.num_running
+    assert len(reports) == sum(sizes.values()) and all(r.load.free_blocks == r.load.total_blocks and not r.load.num_running
                                      for r in reports.values()), reports
