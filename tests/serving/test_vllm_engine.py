@@ -267,8 +267,8 @@ def test_vllm_workers_killed_and_stopped_under_8_streams(server):
     1P+2D when it runs alone).
 
     NOTE: run before the drain, the drain's KV moves between two replacement decode workers differed from
-    their source in 3 of 4 digests (2026-12-03; `--verify-kv-moves` caught them, the streams recomputed and
-    stayed exact); on the first workers they are equal. An open bug, written down in docs/vllm_backend.md."""
+    their source in 3 of 4 digests (2026-12-03, before the KV layout fix); in that order on 2026-12-04 every
+    digest agreed (docs/vllm_backend.md)."""
     from tests.chaos.harness import ChaosDriver, closed_loop, prompts, references, wait_recovered, worker_pids
 
     sizes = {kind: len(worker_pids(server, kind)) for kind in ("prefill", "decode")}
