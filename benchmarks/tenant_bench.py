@@ -2,7 +2,7 @@
 first-token latency measured side by side in one run (SmolLM2, 1 prefill + 1 decode worker, local Ray, gRPC
 on loopback, three tenants from an `--api-keys` table).
 
-    python -m benchmarks.tenant_bench [--prompt-tokens 256] [--probes 8] [--flood 12] [--burst 12]
+    python -m benchmarks.tenant_bench [--layout 1p1d] [--prompt-tokens 256] [--probes 8] [--flood 12] [--burst 12]
                                       [--rounds 3] [--json] [--out FILE]
 
 Tenants: `flood` (at most 2 requests at a time, priority class 0), `batch` (no limits, class 0) and
@@ -176,6 +176,7 @@ def _text(s: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--layout", default="1p1d", help="as `pdserve bench --layouts`, e.g. 1p1d:chunk128")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--probes", type=int, default=8, help="interactive requests per phase")
     ap.add_argument("--flood", type=int, default=12, help="closed-loop clients of the flooding tenant")
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON results to this file")
     args = ap.parse_args(argv)
 
-    layout = Layout(1, 1)
+    layout = Layout.parse(args.layout)
     start_ray([layout])
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.json"
