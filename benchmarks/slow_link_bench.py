@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -34,11 +33,8 @@ import time
 
 from benchmarks.output import emit
 
-HEAD_NS = "pdc-head"
 WARMUP = 4  # prompts per run before the steady-state share is counted
 SLOW_NODE_IP = "10.213.7.11"  # d1 (tests.cluster's addresses)
-# the cluster runs with Ray's token authentication: the runs on its head hold the token `up` made
-RAY_AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/tmp/pdc/auth_token"}  # tests.cluster's workdir
 
 
 def _cluster(*args: str) -> str:
@@ -165,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                                             args.max_tokens)), flush=True)
         return 0
 
+    from tests.cluster import NetnsCluster
+
     print("starting the three-node cluster...", file=sys.stderr, flush=True)
     up = _cluster("up")
     address = up.split("Ray head at ", 1)[1].split(";", 1)[0].strip()
@@ -173,16 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         _cluster("throttle", "d1", args.rate)
         for placement in ("separate", "joint", "joint", "separate"):  # ABBA
             print(f"layout {placement}...", file=sys.stderr, flush=True)
-            res = subprocess.run(["ip", "netns", "exec", HEAD_NS, sys.executable, "-m", "benchmarks.slow_link_bench",
-                                  "--inner", placement, "--address", address, "--requests", str(args.requests),
-                                  "--prompt-tokens", str(args.prompt_tokens), "--seed", str(len(runs) // 2),
-                                  "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
-                                  *(["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else [])],
-                                 stdout=subprocess.PIPE, text=True, timeout=1800,
-                                 env={k: v for k, v in {**os.environ, **RAY_AUTH}.items() if k != "RAY_AUTH_TOKEN"})
-            lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
-            if res.returncode != 0 or not lines:
-                raise RuntimeError(f"the {placement} run failed (exit {res.returncode})")
+            inner = ["--inner", placement, "--address", address, "--requests", str(args.requests),
+                     "--prompt-tokens", str(args.prompt_tokens), "--seed", str(len(runs) // 2),
+                     "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
+                     *(["--arrival-rate", str(args.arrival_rate)] if args.arrival_rate else [])]
+            # NOTE: through `popen`, the run on the head holds the cluster's Ray token (`up` made it)
+            proc = NetnsCluster().popen("head", [sys.executable, "-m", "benchmarks.slow_link_bench", *inner],
+                                        stdout=subprocess.PIPE, text=True)
+            stdout = proc.communicate(timeout=1800)[0]
+            lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"the {placement} run failed (exit {proc.returncode})")
             runs.append(json.loads(lines[-1][len("RESULT "):]))
     finally:
         _cluster("down")
