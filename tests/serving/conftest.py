@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,13 @@ from control.server import Server
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.security import ClientSecurity
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server in another process, which binds it itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RunningServer:

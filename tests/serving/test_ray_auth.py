@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import grpc
 import pytest
 
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.serving.conftest import greedy_request, token_ids
+from tests.serving.conftest import free_port, greedy_request, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +32,8 @@ JOIN = ("import sys, ray; from control.ray_cluster import init_ray; init_ray(sys
         "print('NODES', len(ray.nodes()))")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_runs_its_own_cluster_with_token_auth_and_a_process_without_the_token_is_refused():
-    port = _free_port()
+    port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="pdauth", dir="/tmp"))  # short: Ray's socket paths must fit AF_UNIX
     # an operator's shell: no RAY_AUTH_* at all (the test session's RAY_AUTH_MODE=disabled is its own)
     base = {k: v for k, v in os.environ.items()

@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,19 +22,13 @@ import grpc
 import pytest
 
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.serving.conftest import greedy_request
+from tests.serving.conftest import free_port, greedy_request
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_the_stream_in_flight_then_exits(ray_cluster):
-    port = _free_port()
+    port = free_port()
     # a stale cluster registered as this machine's current one (what `ray start` leaves behind when its
     # processes die without `ray stop`): a plain `pdserve serve` must start its own, not try to join it.
     # NOTE: a short directory: Ray's socket paths under it must fit AF_UNIX's 107 bytes
@@ -116,7 +109,7 @@ def test_sigterm_while_the_workers_load_ends_serve_within_the_grace_and_leaves_n
     tmp = Path(tempfile.mkdtemp(prefix="pdsigw", dir="/tmp"))  # short: Ray's socket paths must fit AF_UNIX
     env = {**os.environ, "RAY_TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, "-m", "control.cli", "serve", "--model", "tiny-random", "--port",
-                             str(_free_port()), "--metrics-port", "off", "--http-port", "0",
+                             str(free_port()), "--metrics-port", "off", "--http-port", "0",
                              "--worker-threads", "1", "--num-blocks", "256", "--prefill-workers", "1", "--decode-workers", "2",
                              "--shutdown-grace", str(grace)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
