@@ -195,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                                      worker_threads=1, num_blocks=2048, api_keys=str(keys))
         print(f"starting {layout.description} for {args.model}...", file=sys.stderr, flush=True)
         with LocalDeployment(config) as dep:
-            warm = Client(dep.address, "interactive", 1000, 8, 0)
-            vocab = warm.stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
-            warm.first_token()
+            with ClientSecurity(api_key=KEYS["interactive"]).channel(dep.address) as channel:
+                vocab = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest()).vocab_size
+            warm = Client(dep.address, "interactive", vocab, 8, 0)
+            warm.first_token()  # (the first request pays for the workers' warm-up, outside the numbers)
             warm.close()
             summary = {"model": args.model, "layout": layout.label, **run(dep.address, vocab, args)}
     emit(summary, args.out, args.json, _text)
