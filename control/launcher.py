@@ -37,10 +37,10 @@ def ray_launcher(kv_config: Any, lease_s: float, router_id: RouterId = None,
             name, namespace = detached_name(worker_id)
             options.update(lifetime="detached", name=name, namespace=namespace)
         if spec.kind is PoolKind.PREFILL:
-            actor = _actor_class(PrefillWorker).options(**options).remote(worker_id, spec.engine, kv_config)
+            actor = _actor_class(PrefillWorker).options(**options).remote(worker_id, spec.worker_engine, kv_config)
         else:
             kv = None if spec.kind is PoolKind.COLOCATED else kv_config
-            actor = _actor_class(DecodeWorker).options(**options).remote(worker_id, spec.engine, kv, lease_s)
+            actor = _actor_class(DecodeWorker).options(**options).remote(worker_id, spec.worker_engine, kv, lease_s)
         on_launch(worker_id, actor)
         return RayWorkerClient(worker_id, actor, router_id)
 

@@ -128,6 +128,9 @@ class CacheConfig:
     num_blocks: int | None = None
     # fraction of the device's free memory (after weights) given to the cache; None -> device default
     memory_fraction: float | None = None
+    # the share of its GPU this engine was granted (Ray's fractional `{"GPU": 0.5}`): engines sharing a GPU each
+    # size their cache from that share of its memory, whichever of them starts first
+    device_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -136,6 +139,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.num_blocks must be >= 1, got {self.num_blocks}")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"CacheConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0.0 < self.device_share <= 1.0:
+            raise ValueError(f"CacheConfig.device_share must be in (0, 1], got {self.device_share}")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,13 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return value
 
 
+def kv_cache_bytes(free: int, total: int, fraction: float, device_share: float = 1.0) -> int:
+    """The KV cache's bytes: `fraction` of the device's free memory, and of no more than this engine's share of
+    the whole device. NOTE: without the cap, two workers given half a GPU each were sized by start order: on
+    an H200 the first took 121 GB, the second the 19 GB left (benchmarks/results/h200-2026-12-04)."""
+    return int(min(free, total * device_share) * fraction)
+
+
 class LLMEngine(EngineBackend):
     """The built-in engine: pdserve's own Llama runner, paged KV cache and scheduler."""
 
@@ -105,10 +112,10 @@ class LLMEngine(EngineBackend):
             return cache.num_blocks
         fraction = cache.memory_fraction or DEFAULT_MEMORY_FRACTION.get(self.device.type, 0.05)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
         else:
-            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return KVCache.num_blocks_for_memory(self.cache_spec, int(free * fraction))
+            free = total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return KVCache.num_blocks_for_memory(self.cache_spec, kv_cache_bytes(free, total, fraction, cache.device_share))
 
     # -- requests ---------------------------------------------------------------------------------------
 

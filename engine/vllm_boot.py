@@ -62,7 +62,7 @@ def start_vllm(config: EngineConfig, path: Path) -> Any:
         enable_prefix_caching=config.scheduler.enable_prefix_caching,
         num_gpu_blocks_override=None if config.cache.num_blocks is None else config.cache.num_blocks + 1,
         # a GPU's share for this engine (several workers sharing one GPU each take a part)
-        gpu_memory_utilization=config.cache.memory_fraction or 0.9,
+        gpu_memory_utilization=(config.cache.memory_fraction or 0.9) * config.cache.device_share,
         # NOTE: eager mode boots in ~10 s here; vLLM's torch.compile takes ~130 s on this CPU
         enforce_eager=True,
         kv_transfer_config=KVTransferConfig(kv_connector="PdserveConnector",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +43,15 @@ class PoolSpec:
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ValueError(f"{self.kind.value} pool: num_workers must be >= 0, got {self.num_workers}")
+
+    @property
+    def worker_engine(self) -> EngineConfig:
+        """Each worker's engine config: a fractional GPU (`{"GPU": 0.5}`) is the share of the device its KV
+        cache is sized from, so the workers sharing a GPU split it evenly rather than by start order."""
+        gpu = self.resources.get("GPU", 0)
+        if not 0 < gpu < 1:
+            return self.engine
+        return dataclasses.replace(self.engine, cache=dataclasses.replace(self.engine.cache, device_share=gpu))
 
     def actor_options(self) -> dict[str, Any]:
         r = dict(self.resources)

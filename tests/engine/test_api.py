@@ -30,6 +30,7 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 @pytest.mark.parametrize("build, field", [
     (lambda: CacheConfig(block_size=0), "block_size"),
     (lambda: CacheConfig(memory_fraction=1.5), "memory_fraction"),
+    (lambda: CacheConfig(device_share=0), "device_share"),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (lambda: EngineConfig(model="tiny-random", dtype="float8"), "dtype"),
 ])
