@@ -8,7 +8,7 @@ import pytest
 import torch
 
 # NOTE: Ray 2.60 enables token auth by default; a throwaway loopback cluster for tests does not need it
-# (tests/serving/test_ray_auth.py and the netns cluster, tests/cluster.py, run with it on).
+# (tests/serving/test_serve_process.py and the netns cluster, tests/cluster.py, run with it on).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
