@@ -139,7 +139,7 @@ class HttpDoor:
             param = _openai_param(e.field)
             raise ApiError(400, f"{param}: {e.message}", param=param) from e
         try:
-            ticket = self.door.admit(tenant, req)
+            ticket = await self.door.admit(tenant, req)
         except QuotaExceeded as e:
             self.observer.on_quota_refused(tenant.name, e.limit)
             return JSONResponse(status_code=429, headers={"retry-after": str(e.retry_after)},

@@ -5,6 +5,9 @@ any prefill, with RESOURCE_EXHAUSTED (gRPC) / 429 (HTTP), a message naming the l
 a `Ticket` that the stream carries (`router.streaming.stream_text`): `first_token` gives back the prompt's
 queued tokens, `generated` charges the token bucket, `release` ends the request (idempotent, so every way
 out may call it).
+
+A refusal also marks whether the tenant came back before an earlier refusal's retry-after had passed
+(`QuotaExceeded.ignored_retry_after`): the door answers those a little later (`Door.admit`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class QuotaExceeded(Exception):
         super().__init__(message)
         self.limit = limit
         self.retry_after_s = retry_after_s
+        self.ignored_retry_after = False  # the tenant was refused before, and its retry-after has not passed
 
     @property
     def retry_after(self) -> int:
@@ -41,6 +45,7 @@ class _Usage:
     queued_prompt_tokens: int = 0
     bucket: float = 0.0  # tokens it may still spend (refilled at tokens_per_minute / 60 per second)
     refilled_at: float = 0.0
+    retry_at: float = -math.inf  # when its latest refusal's retry-after passes
 
 
 @dataclass(eq=False)
@@ -89,6 +94,15 @@ class QuotaGate:
 
     def admit(self, tenant: Tenant, prompt_tokens: int) -> Ticket:
         """A ticket for one request of `prompt_tokens`, or QuotaExceeded naming the limit it would pass."""
+        try:
+            return self._admit(tenant, prompt_tokens)
+        except QuotaExceeded as e:
+            u, now = self._usage(tenant), self.clock()
+            e.ignored_retry_after = now < u.retry_at
+            u.retry_at = now + e.retry_after
+            raise
+
+    def _admit(self, tenant: Tenant, prompt_tokens: int) -> Ticket:
         limits = tenant.limits
         u = self._usage(tenant)
         cap = limits.max_concurrent_requests

@@ -56,7 +56,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            ticket = self.door.admit(tenant, req)
+            ticket = await self.door.admit(tenant, req)
         except QuotaExceeded as e:
             self.observer.on_quota_refused(tenant.name, e.limit)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),

@@ -7,14 +7,17 @@ import asyncio
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from protocol.block_hash import hash_blocks, salt_root
+from router.door import REPEAT_REFUSAL_DELAY_S, Door
 from router.openai_request import ApiError, parse_body
 from router.quotas import QuotaExceeded, QuotaGate
 from router.stall_watch import StallWatch
 from router.tenants import KeyTable, Role, Tenant, TenantLimits, parse_key_file
+from router.validation import Limits
 
 DOC = {"tenants": {"acme": {"max_concurrent_requests": 2, "max_queued_prompt_tokens": 100,
                             "tokens_per_minute": 600, "priority": 3}},
@@ -87,6 +90,33 @@ def test_quotas_refuse_naming_the_limit_and_give_back_on_release():
     assert e.value.limit == "tokens_per_minute" and e.value.retry_after == 4  # 40 tokens at 10/s
     now[0] += 4.0
     gate.admit(acme, 10).release()
+
+
+def test_a_tenant_back_before_its_retry_after_is_refused_a_little_later():
+    now = [0.0]
+    gate = QuotaGate(clock=lambda: now[0])
+    acme = parse_key_file(json.dumps(DOC))["sk-acme-0001"]
+    door = Door(Limits(max_model_len=64, vocab_size=64), tokenizer=None, quotas=gate)  # type: ignore[arg-type]
+    req = SimpleNamespace(num_prompt_tokens=10)
+    held = [asyncio.run(door.admit(acme, req)) for _ in range(2)]  # its 2 concurrent requests
+
+    def refused() -> tuple[bool, float]:
+        t0 = time.monotonic()
+        with pytest.raises(QuotaExceeded) as e:
+            asyncio.run(door.admit(acme, req))
+        return e.value.ignored_retry_after, time.monotonic() - t0
+
+    first, took = refused()
+    assert not first and took < REPEAT_REFUSAL_DELAY_S
+    now[0] += 0.5  # back before the retry-after (1 s) has passed
+    again, took = refused()
+    assert again and took >= REPEAT_REFUSAL_DELAY_S
+    now[0] += 1.0  # a client that waited out the latest retry-after is answered at once
+    polite, took = refused()
+    assert not polite and took < REPEAT_REFUSAL_DELAY_S
+    for t in held:
+        t.release()
+    asyncio.run(door.admit(acme, req)).release()
 
 
 @pytest.mark.parametrize("raw, param", [
