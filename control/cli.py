@@ -150,6 +150,32 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-draft-tokens-per-step", type=int, default=32,
                    help="with --speculative: the most draft tokens one step verifies, shared equally by the "
                         "decoding sequences (default 32, for CPUs; 0: no cap)")
+    a = p.add_argument_group("autoscaling (docs/planner.md)")
+    a.add_argument("--autoscale", default=None, metavar="SLO_FILE",
+                   help='size the prefill and decode pools for this SLO ({"ttft_s": S, "itl_s": S, "target": '
+                        '0.9}) from the live traffic, scaling up at once and down by draining with KV moves')
+    a.add_argument("--autoscale-profile", default=None, metavar="PROFILE",
+                   help="with --autoscale: `pdserve plan profile`'s JSON, taken on this machine and model")
+    a.add_argument("--autoscale-interval", type=float, default=30.0, help="seconds between plans (default 30)")
+    a.add_argument("--autoscale-cooldown", type=float, default=60.0,
+                   help="seconds a pool stays as it is after it changed (default 60)")
+    a.add_argument("--autoscale-down-after", type=int, default=2,
+                   help="intervals in a row asking for fewer workers before a scale-down (default 2)")
+    a.add_argument("--autoscale-advise", action="store_true",
+                   help="log what should change (and export it as metrics), change nothing")
+
+
+def _autoscale(args: argparse.Namespace):
+    if args.autoscale is None:
+        if args.autoscale_profile is not None:
+            raise ValueError("--autoscale-profile goes with --autoscale SLO_FILE")
+        return None
+    if args.autoscale_profile is None:
+        raise ValueError("--autoscale needs --autoscale-profile (make one with `pdserve plan profile`)")
+    from control.config import AutoscaleConfig
+
+    return AutoscaleConfig(args.autoscale, args.autoscale_profile, args.autoscale_interval, args.autoscale_cooldown,
+                           args.autoscale_down_after, apply=not args.autoscale_advise)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -192,7 +218,8 @@ def serve_config(args: argparse.Namespace):
         max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,
         prefill_chunk_tokens=args.prefill_chunk_tokens, decode_prefill_chunk_tokens=args.decode_prefill_chunk_tokens,
         routers_spread=args.routers_spread, max_pool_size=args.max_pool_size, engine=args.engine,
-        prefill_engine=args.prefill_engine, decode_engine=args.decode_engine, block_size=args.block_size)
+        prefill_engine=args.prefill_engine, decode_engine=args.decode_engine, block_size=args.block_size,
+        autoscale=_autoscale(args))
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -27,6 +27,25 @@ from router.tenants import ANONYMOUS, KeyTable
 
 
 @dataclass(frozen=True)
+class AutoscaleConfig:
+    """`pdserve serve --autoscale SLO-FILE --autoscale-profile PROFILE`: the planner's watch loop, run by the
+    serve process over its own pools (`pdserve plan watch --apply`'s loop; docs/planner.md)."""
+
+    slo_file: str  # {"ttft_s": S, "itl_s": S, "target": 0.9}
+    profile: str  # `pdserve plan profile`'s JSON, taken on this machine and model
+    interval_s: float = 30.0
+    cooldown_s: float = 60.0
+    down_after: int = 2  # intervals in a row asking for fewer workers before a scale-down
+    apply: bool = True  # False: advise only (logged, and the planner's gauges), change nothing
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.cooldown_s < 0 or self.down_after < 1:
+            raise ValueError(f"--autoscale-interval must be > 0, --autoscale-cooldown >= 0 and "
+                             f"--autoscale-down-after >= 1; got {self.interval_s}, {self.cooldown_s}, "
+                             f"{self.down_after}")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
@@ -89,6 +108,7 @@ class ServeConfig:
     routers: int = 1  # router replicas sharing --port (and --http-port) over the same pools
     routers_spread: bool = False  # place the other replicas over the nodes, not on this one
     max_pool_size: int = 64  # the most workers `pdserve scale` may ask of one pool
+    autoscale: AutoscaleConfig | None = None  # the planner's watch in this process (control.autoscale)
 
     def __post_init__(self) -> None:
         for name in ("engine", "prefill_engine", "decode_engine"):
@@ -113,6 +133,11 @@ class ServeConfig:
                              "pass --prefill-workers 0 --decode-workers 0")
         if not self.colocated_workers and not (self.prefill_workers and self.decode_workers):
             raise ValueError("need at least one prefill and one decode worker (or --colocated-workers N)")
+        if self.autoscale is not None:
+            if self.colocated_workers:
+                raise ValueError("--autoscale sizes the prefill and decode pools; it cannot size colocated workers")
+            if self.metrics_port is None:
+                raise ValueError("--autoscale reads the router's own metrics: it needs --metrics-port (not off)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together: pass both, or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

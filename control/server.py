@@ -75,6 +75,7 @@ class Server:
         self._stopped = False
         self._serving = False
         self._launched: dict[str, Any] = {}  # worker id -> its Ray actor, from creation on (lead, one router)
+        self.autoscaler = None  # control.autoscale.Autoscale (`--autoscale`)
 
     async def start(self) -> None:
         """Open the doors (gRPC, metrics, HTTP; NOT_SERVING until the pools are up), start the pools and the
@@ -89,8 +90,17 @@ class Server:
         tokenizer = Tokenizer(path)
         max_model_len = min(c.max_model_len or context, context)
         limits = Limits(max_model_len=max_model_len, vocab_size=vocab_size)
+        if c.autoscale is not None and self.metrics is not None:  # before any worker: a bad file stops it here
+            from control.autoscale import Autoscale
+
+            try:
+                self.autoscaler = Autoscale(c.autoscale, self.metrics.registry, c.max_pool_size)
+            except ValueError as e:
+                raise ServeError(f"--autoscale: {e}") from e
         tls = await self._open_doors(tokenizer, limits)
         await self._start_router()
+        if self.autoscaler is not None:
+            self.autoscaler.start(self.admin, asyncio.get_running_loop())
         self.servicer.router = self.router
         if self.http is not None:
             self.http_door.router = self.router
@@ -273,6 +283,8 @@ class Server:
     async def _stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self.autoscaler is not None:  # first: no scale may start while the pools stop
+            await asyncio.to_thread(self.autoscaler.stop)
         if self.grpc is not None:
             await self.grpc.stop(grace=1.0)
         if self.http is not None:

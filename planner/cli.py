@@ -91,13 +91,13 @@ def _watch(args: argparse.Namespace) -> int:
     import logging
 
     from planner.autoscaler import ScalePolicy
-    from planner.watch import PoolsClient, WatchGauges, load_slo, watch
+    from planner.watch import PoolsClient, WatchGauges, load_slo, scrape, watch
     from router.security import client_security
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     policy = ScalePolicy(args.cooldown, args.down_after, 1, args.max_pool_size)
     with contextlib.suppress(KeyboardInterrupt):
-        watch(PoolsClient(args.server, client_security(args)), args.metrics, Profile.load(args.profile),
+        watch(PoolsClient(args.server, client_security(args)), lambda: scrape(args.metrics), Profile.load(args.profile),
               load_slo(args.slo_file), policy, args.interval, args.apply, WatchGauges(args.port), args.rounds)
     return 0
 

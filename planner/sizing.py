@@ -54,6 +54,14 @@ class SizingPlan:
     best: Candidate | None
     searched: list[Candidate] = field(default_factory=list)
 
+    @property
+    def closest(self) -> Candidate | None:
+        """The pick; or, where no layout searched meets the target (a load past what the pool caps can take),
+        the one that comes closest: the most attainment, then the fewest workers."""
+        if self.best is not None or not self.searched:
+            return self.best
+        return max(self.searched, key=lambda c: (c.attainment, -c.workers))
+
     def to_dict(self, slo: SLO) -> dict:
         return {"best": self.best.layout.label if self.best else None,
                 "searched": [c.result.summary(slo) | {"workers": c.workers, "meets": c.meets(slo),

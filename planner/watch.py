@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import urllib.request
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 from planner.autoscaler import Autoscaler, Decision, Forecaster, ScalePolicy, Traffic, parse_counters
 from planner.profile import Profile
 from planner.results import SLO
-from planner.sizing import SizingPlan, size
+from planner.sizing import Candidate, SizingPlan, size
 from planner.trace import Trace, TraceRequest
 
 logger = logging.getLogger("pdserve.planner")
@@ -60,12 +63,13 @@ def scrape(url: str) -> dict[str, float]:
 
 
 class WatchGauges:
-    """The watcher's own metrics (dashboard panels read them)."""
+    """The watcher's own metrics (dashboard panels read them): in `registry` (`pdserve serve --autoscale`: the
+    router's, on its metrics port), else in their own, served on `port` when one is given."""
 
-    def __init__(self, port: int | None) -> None:
+    def __init__(self, port: int | None, registry=None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-        r = self.registry = CollectorRegistry()
+        r = self.registry = registry if registry is not None else CollectorRegistry()
         self.rate = Gauge("pdserve_planner_forecast_requests_per_second", "The next interval's forecast rate.",
                           registry=r)
         self.planned = Gauge("pdserve_planner_planned_workers", "Each pool's size in the latest plan.", ["pool"],
@@ -74,19 +78,28 @@ class WatchGauges:
         self.itl = Gauge("pdserve_planner_estimated_itl_p50_seconds", "The plan's simulated ITL p50.", registry=r)
         self.decisions = Counter("pdserve_planner_decisions", "Pool changes decided, by pool and direction.",
                                  ["pool", "direction"], registry=r)
-        if port is not None:
+        if port is not None and registry is None:
             start_http_server(port, "127.0.0.1", registry=r)
 
-    def record(self, rate: float, plan: SizingPlan | None, decisions: list[Decision]) -> None:
+    def record(self, rate: float, pick: Candidate | None, decisions: list[Decision]) -> None:
         self.rate.set(rate)
-        if plan is not None and plan.best is not None:
-            layout, result = plan.best.layout, plan.best.result
+        if pick is not None:
+            layout, result = pick.layout, pick.result
             for pool, n in (("prefill", layout.prefill_workers), ("decode", layout.decode_workers)):
                 self.planned.labels(pool).set(n)
             self.ttft.set(result.ttft.p90)
             self.itl.set(result.itl.p50)
         for d in decisions:
             self.decisions.labels(d.pool, "up" if d.target > d.current else "down").inc()
+
+
+class Pools(Protocol):
+    """The pools the watch sizes: over the Admin API (`PoolsClient`), or in the serve process itself
+    (`control.autoscale`)."""
+
+    def sizes(self) -> dict[str, int]: ...
+
+    def scale(self, d: Decision) -> str: ...
 
 
 class PoolsClient:
@@ -115,20 +128,23 @@ class PoolsClient:
         return f"started {list(res.started)}, retired {list(res.retired)} (drained, KV moved)"
 
 
-def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, policy: ScalePolicy,
-          interval_s: float, apply: bool, gauges: WatchGauges, rounds: int | None = None) -> None:
-    """The loop: `rounds` intervals (None: until interrupted)."""
+def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Profile, slo: SLO,
+          policy: ScalePolicy, interval_s: float, apply: bool, gauges: WatchGauges, rounds: int | None = None,
+          stop: threading.Event | None = None, sizer: Callable[..., SizingPlan] = size) -> None:
+    """The loop: `rounds` intervals (None: until interrupted, or until `stop` is set). `counters()`: the
+    router's counters now (`scrape(url)` over HTTP); `sizer`: `size`, or the same run elsewhere (the serve
+    process runs it in a child process, off the router's event loop)."""
     forecaster, scaler = Forecaster(), Autoscaler(policy)
-    before, t_before = scrape(metrics_url), time.monotonic()
+    stop = stop or threading.Event()
+    before, t_before = counters(), time.monotonic()
     start = before
     k = 0
-    while rounds is None or k < rounds:
+    while (rounds is None or k < rounds) and not stop.wait(interval_s):
         k += 1
-        time.sleep(interval_s)
         try:
-            after, t_after = scrape(metrics_url), time.monotonic()
+            after, t_after = counters(), time.monotonic()
         except OSError as e:  # the router restarting, a node lost: keep watching
-            logger.warning("interval %d: cannot read %s (%s); trying again next interval", k, metrics_url, e)
+            logger.warning("interval %d: cannot read the router's metrics (%s); trying again next interval", k, e)
             continue
         # NOTE: the rate is the interval's; the lengths are the means since the watch began: prompt tokens
         # are counted when a prefill ends and requests when a stream ends, so over one short interval the
@@ -145,21 +161,23 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
             logger.warning("interval %d: cannot read the pools (%s); trying again next interval", k, e)
             continue
         if traffic.rate > 0 and rate > 0:
-            plan = size(profile, synthetic_trace(traffic, rate), slo, max_pool_size=policy.max_pool_size,
-                        colocated=False)
+            plan = sizer(profile, synthetic_trace(traffic, rate), slo, max_pool_size=policy.max_pool_size,
+                         colocated=False)
         if rate == 0:  # no traffic: the smallest pools
             floor = policy.min_pool_size
             decisions = scaler.decide(time.monotonic(), current, {"prefill": floor, "decode": floor},
                                       "no requests in the interval, none forecast")
-        elif plan is not None and plan.best is not None:
-            b = plan.best
-            wanted = {"prefill": b.layout.prefill_workers, "decode": b.layout.decode_workers}
+        pick = plan.closest if plan is not None else None
+        if rate > 0 and pick is not None:
+            how = ("meets" if pick is plan.best else
+                   f"comes closest within --max-pool-size {policy.max_pool_size} (no layout meets it): it meets")
+            wanted = {"prefill": pick.layout.prefill_workers, "decode": pick.layout.decode_workers}
             why = (f"{traffic.rate:.2f} req/s now, {rate:.2f} forecast, prompts {traffic.mean_prompt:.0f} / outputs "
-                   f"{traffic.mean_output:.0f} tokens: {b.layout.label} meets the SLO for {b.attainment:.0%} "
-                   f"(TTFT p90 {b.result.ttft.p90:.2f} s, ITL p50 {b.result.itl.p50 * 1e3:.0f} ms)")
+                   f"{traffic.mean_output:.0f} tokens: {pick.layout.label} {how} the SLO for {pick.attainment:.0%} "
+                   f"(TTFT p90 {pick.result.ttft.p90:.2f} s, ITL p50 {pick.result.itl.p50 * 1e3:.0f} ms)")
             decisions = scaler.decide(time.monotonic(), current, wanted, why)
         logger.info("interval %d: %.2f req/s, forecast %.2f; plan %s", k, traffic.rate, rate,
-                    plan.best.layout.label if plan is not None and plan.best is not None else "-")
+                    pick.layout.label if pick is not None else "-")
         for d in decisions:
             if not apply:
                 logger.info("advice: %s", d.reason)
@@ -172,4 +190,4 @@ def watch(pools: PoolsClient, metrics_url: str, profile: Profile, slo: SLO, poli
             except Exception as e:  # a refused change (another in progress, a bound) waits for the next interval
                 logger.warning("scale of %s refused: %s; trying again next interval", d.pool, e)
                 scaler.last_change.pop(d.pool, None)
-        gauges.record(rate, plan, decisions)
+        gauges.record(rate, pick, decisions)

@@ -3,6 +3,8 @@ bounds."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
@@ -88,3 +90,28 @@ def test_the_watcher_sizes_on_a_trace_shaped_like_the_interval_and_reads_its_slo
     path.write_text('{"ttft": 2}')
     with pytest.raises(ValueError, match="ttft_s"):
         load_slo(str(path))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--autoscale", "slo.json"], "--autoscale needs --autoscale-profile"),
+    (["--autoscale-profile", "p.json"], "--autoscale-profile goes with --autoscale"),
+    (["--autoscale", "slo.json", "--autoscale-profile", "p.json", "--metrics-port", "off"], "--metrics-port"),
+    (["--autoscale", "slo.json", "--autoscale-profile", "p.json", "--colocated-workers", "2", "--prefill-workers",
+      "0", "--decode-workers", "0"], "colocated"),
+    (["--autoscale", "slo.json", "--autoscale-profile", "p.json", "--autoscale-interval", "0"],
+     "--autoscale-interval"),
+])
+def test_serve_s_autoscale_flags_are_checked_naming_the_flag(argv, words):
+    from control.cli import build_parser, serve_config
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_s_autoscale_flags_make_its_config():
+    from control.cli import build_parser, serve_config
+
+    config = serve_config(build_parser().parse_args(["serve", "--autoscale", "slo.json", "--autoscale-profile",
+                                                      "p.json", "--autoscale-interval", "5", "--autoscale-advise"]))
+    assert config.autoscale is not None and config.autoscale.interval_s == 5 and not config.autoscale.apply
+    assert serve_config(build_parser().parse_args(["serve"])).autoscale is None

@@ -32,6 +32,16 @@ def test_the_pick_meets_the_slo_and_its_cheaper_neighbours_do_not():
     assert all(not c.meets(slo) for c in plan.searched if c.workers < plan.best.workers)
 
 
+def test_past_every_pool_cap_the_closest_layout_is_the_largest_and_under_it_the_pick_is_the_closest():
+    slo = SLO(ttft_s=1.0, itl_s=0.05)
+    capped = size(profile(), shaped(512, 64, rate=6.0), slo, max_pool_size=2, colocated=False)
+    assert capped.best is None and capped.closest is not None  # nothing within 2 a pool meets it ...
+    assert not capped.closest.meets(slo)
+    assert capped.closest.layout.label == "2p2d"  # ... and the most capacity comes closest
+    roomy = size(profile(), shaped(512, 64, rate=6.0), slo, max_pool_size=16, colocated=False)
+    assert roomy.closest is roomy.best is not None
+
+
 def test_long_prompts_need_more_prefill_workers_and_long_outputs_more_decode_workers():
     slo = SLO(ttft_s=1.5, itl_s=0.05)
     prompts = size(profile(), shaped(1024, 16, rate=4.0), slo, max_pool_size=16, colocated=False).best
