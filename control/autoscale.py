@@ -47,7 +47,7 @@ class LocalPools:
 
     def sizes(self) -> dict[str, int]:
         async def read() -> dict[str, int]:
-            return {s.kind.value: s.target for s in self.admin.sizes()}
+            return {s.pool.value: s.target for s in self.admin.sizes()}
 
         return self._run(read(), 30.0)
 

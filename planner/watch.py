@@ -81,14 +81,15 @@ class WatchGauges:
         if port is not None and registry is None:
             start_http_server(port, "127.0.0.1", registry=r)
 
-    def record(self, rate: float, pick: Candidate | None, decisions: list[Decision]) -> None:
+    def record(self, rate: float, wanted: Mapping[str, int], pick: Candidate | None,
+               decisions: list[Decision]) -> None:
+        """`wanted`: each pool's planned size (the floor when idle); `pick`: the simulated layout behind it."""
         self.rate.set(rate)
+        for pool, n in wanted.items():
+            self.planned.labels(pool).set(n)
         if pick is not None:
-            layout, result = pick.layout, pick.result
-            for pool, n in (("prefill", layout.prefill_workers), ("decode", layout.decode_workers)):
-                self.planned.labels(pool).set(n)
-            self.ttft.set(result.ttft.p90)
-            self.itl.set(result.itl.p50)
+            self.ttft.set(pick.result.ttft.p90)
+            self.itl.set(pick.result.itl.p50)
         for d in decisions:
             self.decisions.labels(d.pool, "up" if d.target > d.current else "down").inc()
 
@@ -163,10 +164,10 @@ def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Pr
         if traffic.rate > 0 and rate > 0:
             plan = sizer(profile, synthetic_trace(traffic, rate), slo, max_pool_size=policy.max_pool_size,
                          colocated=False)
+        wanted: dict[str, int] = {}
         if rate == 0:  # no traffic: the smallest pools
-            floor = policy.min_pool_size
-            decisions = scaler.decide(time.monotonic(), current, {"prefill": floor, "decode": floor},
-                                      "no requests in the interval, none forecast")
+            wanted = {"prefill": policy.min_pool_size, "decode": policy.min_pool_size}
+            decisions = scaler.decide(time.monotonic(), current, wanted, "no requests in the interval, none forecast")
         pick = plan.closest if plan is not None else None
         if rate > 0 and pick is not None:
             how = ("meets" if pick is plan.best else
@@ -190,4 +191,4 @@ def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Pr
             except Exception as e:  # a refused change (another in progress, a bound) waits for the next interval
                 logger.warning("scale of %s refused: %s; trying again next interval", d.pool, e)
                 scaler.last_change.pop(d.pool, None)
-        gauges.record(rate, pick, decisions)
+        gauges.record(rate, wanted, pick, decisions)
