@@ -78,6 +78,9 @@ class WatchGauges:
         self.itl = Gauge("pdserve_planner_estimated_itl_p50_seconds", "The plan's simulated ITL p50.", registry=r)
         self.decisions = Counter("pdserve_planner_decisions", "Pool changes decided, by pool and direction.",
                                  ["pool", "direction"], registry=r)
+        for pool in ("prefill", "decode"):  # every series from the start: rate() and increase() need two samples
+            for direction in ("up", "down"):
+                self.decisions.labels(pool, direction)
         if port is not None and registry is None:
             start_http_server(port, "127.0.0.1", registry=r)
 

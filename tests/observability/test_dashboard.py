@@ -10,6 +10,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from planner.watch import WatchGauges
 from router.metrics import Metrics
 from tests.observability.dashboard import (
     BUILTIN_VARIABLES,
@@ -36,6 +37,8 @@ def dashboard() -> dict:
 def metrics() -> Metrics:
     m = Metrics("tiny")
     drive_every_hook(m)
+    # `pdserve serve --autoscale` puts the planner's gauges in the router's registry
+    WatchGauges(None, registry=m.registry).record(1.0, {"prefill": 1, "decode": 1}, None, [])
     return m
 
 

@@ -11,10 +11,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
 
+from control.config import AutoscaleConfig
 from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -31,6 +33,7 @@ pytestmark = [
 ]
 
 MODEL = "tiny-random"
+PLANNER_PROFILE = Path(__file__).resolve().parents[2] / "benchmarks/results/planner/profile-smollm2-cpu.json"
 PREFIX = [(13 * i + 7) % 250 for i in range(48)]  # 3 full blocks shared by half the prompts: prefix-cache hits
 NUM_LOAD = 24
 SPEC_PROMPT = [10, 11, 12, 13, 146, 14, 15, 16, 17, 13]
@@ -93,9 +96,13 @@ def deployment(ray_cluster, tmp_path_factory):
     # the cost model's link panel does
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
+    # and with the autoscaler advising every second, so its panels have data (it changes nothing)
+    slo = keys.parent / "slo.json"
+    slo.write_text(json.dumps({"ttft_s": 1.0, "itl_s": 0.1}))
+    autoscale = AutoscaleConfig(str(slo), str(PLANNER_PROFILE), interval_s=1.0, apply=False)
     with running_server(model=MODEL, prefill_workers=1, decode_workers=1, metrics_port=0, max_model_len=512,
                         speculative="ngram", cost_priors=CostPriors(min_rated_transfer_bytes=1),
-                        api_keys=str(keys), client_key=LOAD_KEY) as server:
+                        api_keys=str(keys), client_key=LOAD_KEY, autoscale=autoscale) as server:
         assert server.server.metrics_port
         prom = Prometheus(f"127.0.0.1:{server.server.metrics_port}", tmp_path_factory.mktemp("prometheus"))
         try:
