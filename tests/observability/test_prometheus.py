@@ -96,10 +96,10 @@ def deployment(ray_cluster, tmp_path_factory):
     # the cost model's link panel does
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    # and with the autoscaler advising every second, so its panels have data (it changes nothing)
+    # and with the autoscaler advising every 2 s, so its panels have data (it changes nothing)
     slo = keys.parent / "slo.json"
     slo.write_text(json.dumps({"ttft_s": 1.0, "itl_s": 0.1}))
-    autoscale = AutoscaleConfig(str(slo), str(PLANNER_PROFILE), interval_s=1.0, apply=False)
+    autoscale = AutoscaleConfig(str(slo), str(PLANNER_PROFILE), interval_s=2.0, apply=False)
     with running_server(model=MODEL, prefill_workers=1, decode_workers=1, metrics_port=0, max_model_len=512,
                         speculative="ngram", cost_priors=CostPriors(min_rated_transfer_bytes=1),
                         api_keys=str(keys), client_key=LOAD_KEY, autoscale=autoscale) as server:
