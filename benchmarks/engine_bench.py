@@ -45,6 +45,11 @@ Decisions, so the numbers can be argued with:
   and *chat* (open questions: little to copy). Decode throughput: output tokens of the steps in which
   every sequence decodes, over those steps' time (prefill steps left out on both sides); both engines
   produce the same tokens, which the run asserts. These requests stop at EOS.
+- Context (`decode_bB_ctxN_*`, issue #29): decode at 16, 256, 1,024 and 4,096 tokens of context, batch 1,
+  8 and 32 (batch x context at most 32,768). Each batch of random prompts is first prefilled into the
+  prefix cache, so every engine run decodes all its sequences together from its first step. One engine
+  runs each case with its paged-attention kernel, then with the kernel off (blocks gathered per layer,
+  then SDPA: the path before the kernel), then HF decodes the same prompts; each reports its median step.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ class BenchConfig:
     context_lens: tuple[int, ...] = (16, 256, 1024, 4096)  # decode at these contexts (tokens of prompt)
     context_batches: tuple[int, ...] = (1, 8, 32)
     context_max_tokens: int = 8 * 4096  # batch x context cap (HF prefills it in one padded batch)
-    context_steps: int = 8  # decode steps per context run
+    context_steps: int = 16  # decode steps per context run
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -247,6 +252,16 @@ def engine_steps_until(engine: LLMEngine, handles: Sequence[Request], tokens: fl
     while engine.has_unfinished_requests() and sum(len(h.output_token_ids) for h in handles) < tokens:
         spent += timed(engine.step)
     return spent
+
+
+def engine_prefill_into_cache(engine: LLMEngine, prompts: Sequence[Prompt]) -> None:
+    """Prefill the prompts into the prefix cache, so that a later run of them decodes all of them together
+    from its first step (chunked, a batch x context over the step budget would otherwise finish its first
+    sequences before its last ones are prefilled)."""
+    for p in prompts:
+        engine.add_request(p, greedy(1))
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def engine_prefill(engine: LLMEngine, prompt: Prompt) -> float:
@@ -526,9 +541,10 @@ def bench_context(cfg: BenchConfig, hf: transformers.PreTrainedModel, rng: rando
     for batch, n in context_cases(cfg):
         prompts = [random_prompt(rng, n, vocab) for _ in range(batch)]
         steps = cfg.context_steps
-        e = engine_decode_step(engine, prompts, steps)
+        engine_prefill_into_cache(engine, prompts)
+        e = engine_decode_step(engine, prompts, steps)  # both engine runs hit the prefix cache
         engine.runner.kernels = None
-        g = engine_decode_step(engine, prompts, steps)  # a prefix-cache hit: only the decode is new work
+        g = engine_decode_step(engine, prompts, steps)
         engine.runner.kernels = kernels
         h = hf_decode_step(hf, prompts, steps)
         results[f"b{batch}_ctx{n}"] = {"batch": batch, "context": n, "engine_step_ms": e * 1e3,
@@ -643,6 +659,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--hf-batch", type=int, default=None, help="HF's static batch in the mixed workload")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated parts to run (default all: {','.join(SECTIONS)})")
+    parser.add_argument("--context-lens", default=None,
+                        help="the context section's tokens of context, comma-separated (default 16,256,1024,4096)")
+    parser.add_argument("--context-batches", default=None,
+                        help="the context section's batch sizes, comma-separated (default 1,8,32)")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if unknown := set(sections) - set(SECTIONS):
@@ -650,6 +670,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = dataclasses.replace(QUICK if args.quick else BenchConfig(), threads=args.threads)
     if args.hf_batch is not None:
         cfg = dataclasses.replace(cfg, hf_batch=args.hf_batch)
+    if args.context_lens:
+        cfg = dataclasses.replace(cfg, context_lens=tuple(int(n) for n in args.context_lens.split(",")))
+    if args.context_batches:
+        cfg = dataclasses.replace(cfg, context_batches=tuple(int(b) for b in args.context_batches.split(",")))
     result = run(cfg, sections)
     progress("done")
     print(json.dumps(result, indent=2) if args.json else table(result))
