@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes .devcarry (ignored by git: add `/.devcarry/` to .git/info/exclude) for benchmarks/device_check.sh: what
+# Makes .devcarry (ignored by git, .gitignore) for benchmarks/device_check.sh: what
 # the device machine's image lacks, for its Python 3.12 on x86-64. Ray's wheel (79 MB) is over the 64 MiB a
 # call carries, so it travels as an xz tarball of the package less its Java jars, dashboard front end, and the
 # RLlib, Data, Train, Tune and LLM libraries (~28 MB); pdserve starts Ray without a dashboard.
