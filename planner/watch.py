@@ -172,7 +172,7 @@ def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Pr
             wanted = {"prefill": policy.min_pool_size, "decode": policy.min_pool_size}
             decisions = scaler.decide(time.monotonic(), current, wanted, "no requests in the interval, none forecast")
         pick = plan.closest if plan is not None else None
-        if rate > 0 and pick is not None:
+        if pick is not None:  # (a plan is made only for traffic)
             how = ("meets" if pick is plan.best else
                    f"comes closest within --max-pool-size {policy.max_pool_size} (no layout meets it): it meets")
             wanted = {"prefill": pick.layout.prefill_workers, "decode": pick.layout.decode_workers}

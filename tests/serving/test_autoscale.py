@@ -70,8 +70,7 @@ def test_autoscale_grows_the_pools_under_load_and_drains_them_back_when_idle(ray
             _wait("the new workers serving", lambda: len(server.server.registry.schedulable(PoolKind.PREFILL)) == 2
                   and len(server.server.registry.schedulable(PoolKind.DECODE)) == 2, 120)
             served_at_cap = done[0]
-            time.sleep(3.0)
-            assert done[0] > served_at_cap  # the grown deployment serves on
+            _wait("the grown deployment to serve on", lambda: done[0] > served_at_cap, 30)
         finally:
             stop.set()
             for t in load:
