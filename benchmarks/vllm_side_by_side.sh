@@ -9,13 +9,15 @@
 #   [ENGINE=vllm|builtin] bash benchmarks/vllm_side_by_side.sh OUT_DIR [WORKLOAD.jsonl] [CONCURRENCIES] [NUM_REQUESTS]
 #
 # CONCURRENCIES is one number or several ("8 1"). With several, each result is OUT_DIR/LABEL-cN.json.
-# Every table, with the load average before it, goes to OUT_DIR/summary.txt (and stdout).
+# The CPU, then every table with the load average before it, go to OUT_DIR/summary.txt (and stdout).
 set -euo pipefail
 out=${1:?OUT_DIR}; workload=${2:-benchmarks/workloads/long-prompts.jsonl}; concs=${3:-8}; n=${4:-32}
 engine=${ENGINE:-vllm}
 case $engine in vllm|builtin) ;; *) echo "ENGINE must be vllm or builtin, not $engine" >&2; exit 2 ;; esac
 read -ra concs <<<"$concs"
 mkdir -p "$out"
+# the CPU under the run: vLLM's CPU kernels move with it more than pdserve's relay does (docs/benchmarks.md)
+echo "$(date -u +%FT%TZ) cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores" | tee -a "$out/summary.txt" >&2
 model_dir=$(python -c 'from engine.hub import resolve_model; print(resolve_model("smollm2-135m"))')
 wait_up() {  # until a completion is served (pdserve lists its model before its workers are up)
   for _ in $(seq 600); do
