@@ -110,6 +110,8 @@ class BenchConfig:
     context_batches: tuple[int, ...] = (1, 8, 32)
     context_max_tokens: int = 8 * 4096  # batch x context cap (HF prefills it in one padded batch)
     context_steps: int = 16  # decode steps per context run
+    # also run each context case over a KV cache of this dtype (float32 weights), side by side ("bfloat16")
+    context_kv_cache_dtype: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -521,11 +523,11 @@ def context_cases(cfg: BenchConfig) -> list[tuple[int, int]]:
     return [(b, n) for n in cfg.context_lens for b in cfg.context_batches if b * n <= cfg.context_max_tokens]
 
 
-def load_context_engine(cfg: BenchConfig) -> LLMEngine:
+def load_context_engine(cfg: BenchConfig, kv_cache_dtype: str | None = None) -> LLMEngine:
     blocks = max(b * cdiv(n + cfg.context_steps + 1, BLOCK_SIZE) for b, n in context_cases(cfg))
     return LLMEngine(EngineConfig(
         model=MODEL, device="cpu", dtype="float32", num_threads=cfg.threads, seed=cfg.seed,
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks + 64),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks + 64, dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=cfg.max_num_batched_tokens),
     ))
 
@@ -534,8 +536,10 @@ def bench_context(cfg: BenchConfig, hf: transformers.PreTrainedModel, rng: rando
                   vocab: int) -> dict[str, dict[str, float]]:
     """Decode steps at long contexts: the engine with its paged kernel, the same engine with the kernel off
     (blocks gathered per layer, then SDPA: the path before the kernel), and transformers, in turn per case.
-    Prompts of exactly `n` tokens, so every sequence of a batch decodes at the same context."""
+    Prompts of exactly `n` tokens, so every sequence of a batch decodes at the same context. With
+    `context_kv_cache_dtype`, a second engine over a cache of that dtype runs each case too ("narrow")."""
     engine = load_context_engine(cfg)
+    narrow = load_context_engine(cfg, cfg.context_kv_cache_dtype) if cfg.context_kv_cache_dtype else None
     kernels = engine.runner.kernels
     results = {}
     for batch, n in context_cases(cfg):
@@ -547,11 +551,18 @@ def bench_context(cfg: BenchConfig, hf: transformers.PreTrainedModel, rng: rando
         g = engine_decode_step(engine, prompts, steps)
         engine.runner.kernels = kernels
         h = hf_decode_step(hf, prompts, steps)
-        results[f"b{batch}_ctx{n}"] = {"batch": batch, "context": n, "engine_step_ms": e * 1e3,
-                                       "gather_step_ms": g * 1e3, "hf_step_ms": h * 1e3,
-                                       "engine_tok_s": batch / e, "gather_tok_s": batch / g, "hf_tok_s": batch / h}
+        case = results[f"b{batch}_ctx{n}"] = {
+            "batch": batch, "context": n, "engine_step_ms": e * 1e3, "gather_step_ms": g * 1e3,
+            "hf_step_ms": h * 1e3, "engine_tok_s": batch / e, "gather_tok_s": batch / g, "hf_tok_s": batch / h}
+        note = ""
+        if narrow is not None:
+            engine_prefill_into_cache(narrow, prompts)
+            w = engine_decode_step(narrow, prompts, steps)
+            case.update(narrow_step_ms=w * 1e3, narrow_tok_s=batch / w)
+            note = f", {cfg.context_kv_cache_dtype} KV {w * 1e3:.1f}"
         progress(f"decode batch {batch} at {n} tokens: engine {e * 1e3:.1f} ms/step, kernel off "
-                 f"{g * 1e3:.1f}, HF {h * 1e3:.1f}" + ("" if kernels else " (no kernel: both engine columns gather)"))
+                 f"{g * 1e3:.1f}, HF {h * 1e3:.1f}{note}"
+                 + ("" if kernels else " (no kernel: both engine columns gather)"))
     return results
 
 
@@ -567,6 +578,12 @@ def context_ratios(context: dict[str, dict[str, float]]) -> dict[str, float]:
         for c in cases[1:]:
             out[f"decode_b{batch}_ctx{c['context']}_vs_ctx{cases[0]['context']}_step"] = (
                 c["engine_step_ms"] / cases[0]["engine_step_ms"])
+            if "narrow_step_ms" in c:  # the narrow cache's own step growth, and its step against float32's
+                out[f"decode_b{batch}_ctx{c['context']}_vs_ctx{cases[0]['context']}_step_narrow_kv"] = (
+                    c["narrow_step_ms"] / cases[0]["narrow_step_ms"])
+    for key, c in context.items():
+        if "narrow_step_ms" in c:
+            out[f"decode_{key}_narrow_kv_vs_engine"] = c["narrow_tok_s"] / c["engine_tok_s"]
     return out
 
 
@@ -633,6 +650,9 @@ def table(r: dict) -> str:
         row(f"decode b{c['batch']} ctx {c['context']} (tok/s)", c["engine_tok_s"], c["hf_tok_s"], "")
         rows.append(f"{'':<30}kernel off {c['gather_tok_s']:.1f} tok/s: the kernel "
                     f"{c['engine_tok_s'] / c['gather_tok_s']:.2f}x")
+        if "narrow_tok_s" in c:
+            rows.append(f"{'':<30}narrow KV cache {c['narrow_tok_s']:.1f} tok/s: "
+                        f"{c['narrow_tok_s'] / c['engine_tok_s']:.2f}x the float32 cache")
     if f := r["roofline"]:
         rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s "
                     f"copy = {f['step_ms']:.1f} ms; engine batch 1 beside it {f['engine_step_ms']:.1f} ms = "
@@ -663,6 +683,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the context section's tokens of context, comma-separated (default 16,256,1024,4096)")
     parser.add_argument("--context-batches", default=None,
                         help="the context section's batch sizes, comma-separated (default 1,8,32)")
+    parser.add_argument("--context-kv-cache-dtype", default=None, choices=["bfloat16", "float16"],
+                        help="the context section also runs every case over a KV cache of this dtype, side by side")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if unknown := set(sections) - set(SECTIONS):
@@ -674,6 +696,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = dataclasses.replace(cfg, context_lens=tuple(int(n) for n in args.context_lens.split(",")))
     if args.context_batches:
         cfg = dataclasses.replace(cfg, context_batches=tuple(int(b) for b in args.context_batches.split(",")))
+    if args.context_kv_cache_dtype:
+        cfg = dataclasses.replace(cfg, context_kv_cache_dtype=args.context_kv_cache_dtype)
     result = run(cfg, sections)
     progress("done")
     print(json.dumps(result, indent=2) if args.json else table(result))

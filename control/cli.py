@@ -141,6 +141,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the prefill pool's engine (default --engine); it must match the decode pool's")
     p.add_argument("--decode-engine", choices=["builtin", "vllm"], default=None,
                    help="the decode pool's engine (default --engine)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the built-in engine's KV cache dtype (default: the model's); bfloat16 under a float32 "
+                        "model halves the KV a long-context decode step reads, at a rounding of K and V")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: the engine's, 16 built-in, 128 vLLM)")
     p.add_argument("--speculative", choices=["ngram"], default=None,
@@ -214,6 +217,7 @@ def serve_config(args: argparse.Namespace):
         api_keys=args.api_keys, stalled_stream_timeout=args.stalled_stream_timeout,
         http_header_timeout=args.http_header_timeout,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,
         prefill_chunk_tokens=args.prefill_chunk_tokens, decode_prefill_chunk_tokens=args.decode_prefill_chunk_tokens,

@@ -93,6 +93,7 @@ class ServeConfig:
     # (`pdserve serve` turns it on at 8000)
     device: str | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None  # the built-in engine's KV cache dtype; None: the model's (CacheConfig.dtype)
     speculative: str | None = None  # decode and colocated workers: None (off) or "ngram"
     num_speculative_tokens: int = 8  # the most drafts verified per sequence per step
     max_draft_tokens_per_step: int = 32  # the most drafts one step verifies, shared by its sequences (0: no cap)
@@ -125,6 +126,9 @@ class ServeConfig:
             raise ValueError("--speculative is the built-in engine's; it cannot be combined with --engine vllm")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.kv_cache_dtype is not None and "vllm" in {self.pool_engine(k) for k in PoolKind}:
+            raise ValueError("--kv-cache-dtype is the built-in engine's; a vLLM engine keeps its KV in the model's "
+                             "dtype (use --dtype)")
         for name in ("prefill_workers", "decode_workers", "colocated_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -217,7 +221,7 @@ class ServeConfig:
                 if decodes else SpeculativeConfig())
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             max_model_len=self.max_model_len, num_threads=threads,
-                            cache=CacheConfig(self.kv_block_size, self.num_blocks),
+                            cache=CacheConfig(self.kv_block_size, self.num_blocks, dtype=self.kv_cache_dtype),
                             scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order,
                                                       prefill_chunk_tokens=self.prefill_chunk_tokens
                                                       if chunk is None else chunk),

@@ -84,8 +84,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, heads, d]; k, v: [T, kv_heads, d]; k_cache, v_cache: [num_blocks, block_size, kv_heads, d].
     Writes the new k/v into their slots, then returns the attention output [T, heads, d]."""
     kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+    # NOTE: a cache narrower than the model (`CacheConfig.dtype`) takes k/v rounded to its dtype; what is
+    # read back is widened again to q's before SDPA (the kernel widens as it reads)
+    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     if len(meta.seqs) == 1 and not meta.decode_groups and meta.kernel is None:
         return _attend_seq(q, k, v, k_cache, v_cache, meta.seqs[0], meta.workspace, scale)
@@ -100,8 +102,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         B = g.rows.shape[0]
         qg = q[g.rows].unsqueeze(2)  # [B, heads, 1, d]
         kg, vg = _gather_kv(k_cache, v_cache, g.block_ids, meta.workspace)
-        kg = kg.view(B, -1, kvh, d).transpose(1, 2)  # [B, kv_heads, L, d]
-        vg = vg.view(B, -1, kvh, d).transpose(1, 2)
+        kg = kg.view(B, -1, kvh, d).transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, d]
+        vg = vg.view(B, -1, kvh, d).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
         out[g.rows] = o.squeeze(2)
     return out
@@ -133,7 +135,7 @@ def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     else:
         assert s.block_table is not None, "a sequence over cached context needs its block table"
         ks, vs = _gather_kv(k_cache, v_cache, s.block_table, workspace)
-        ks = ks.flatten(0, 1)[:s.ctx_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx_len, d]
-        vs = vs.flatten(0, 1)[:s.ctx_len].transpose(0, 1).unsqueeze(0)
+        ks = ks.flatten(0, 1)[:s.ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kv_heads, ctx_len, d]
+        vs = vs.flatten(0, 1)[:s.ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)  # [q_len, heads, d]

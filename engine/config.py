@@ -131,8 +131,15 @@ class CacheConfig:
     # the share of its GPU this engine was granted (Ray's fractional `{"GPU": 0.5}`): engines sharing a GPU each
     # size their cache from that share of its memory, whichever of them starts first
     device_share: float = 1.0
+    # the cache's dtype; None: the model's. A bfloat16 or float16 cache under a float32 model halves the
+    # bytes a decode step reads at long context (and doubles the blocks a memory budget holds), at a
+    # rounding of K and V to 8 significant bits (bfloat16) or 11 (float16). The built-in engine's.
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"CacheConfig.dtype must be one of {sorted(DTYPES)} (or None: the model's), "
+                             f"got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"CacheConfig.block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -241,6 +248,12 @@ class EngineConfig:
             raise ValueError("EngineConfig.model must name a model")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.cache.dtype is not None and self.backend == "vllm":
+            raise ValueError("CacheConfig.dtype (--kv-cache-dtype) is the built-in engine's; a vLLM engine keeps "
+                             "its KV in the model's dtype (use --dtype)")
+        if self.cache.dtype not in (None, self.dtype) and self.dtype not in (None, "float32"):
+            raise ValueError(f"CacheConfig.dtype {self.cache.dtype!r} under a {self.dtype} model: the KV cache "
+                             "may be narrower than a float32 model only, or match the model's dtype")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

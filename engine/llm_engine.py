@@ -94,8 +94,12 @@ class LLMEngine(EngineBackend):
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
 
+        self.kv_dtype = self.dtype if config.cache.dtype is None else pick_dtype(config.cache.dtype, self.device)
+        if self.kv_dtype != self.dtype and self.dtype != torch.float32:
+            raise ValueError(f"CacheConfig.dtype {config.cache.dtype!r} under a {self.dtype} model: the KV cache "
+                             "may be narrower than a float32 model only, or match the model's dtype")
         self.cache_spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads,
-                                      model_config.head_dim, config.cache.block_size, self.dtype)
+                                      model_config.head_dim, config.cache.block_size, self.kv_dtype)
         num_blocks = self._num_blocks(config.cache)
         self.kv_cache = KVCache(self.cache_spec, num_blocks, self.device)
         self.allocator = BlockAllocator(num_blocks, config.scheduler.enable_prefix_caching)
@@ -105,7 +109,7 @@ class LLMEngine(EngineBackend):
         self.last_step: StepStats | None = None  # what the latest step that ran anything computed
         log(f"loaded {config.model} ({model_config.num_params / 1e6:.0f}M params, {self.dtype}, "
             f"{self.device}) with {num_blocks} KV blocks of {config.cache.block_size} tokens "
-            f"in {time.perf_counter() - t0:.1f}s")
+            f"({self.kv_dtype}) in {time.perf_counter() - t0:.1f}s")
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -277,12 +281,12 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, device: str | None = None, dtype: str | None = None,
                  max_model_len: int | None = None, num_threads: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, memory_fraction: float | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 kv_cache_dtype: str | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, seed: int = 0,
                  speculative: SpeculativeConfig | None = None) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, num_threads=num_threads,
-            seed=seed, cache=CacheConfig(block_size, num_blocks, memory_fraction),
+            seed=seed, cache=CacheConfig(block_size, num_blocks, memory_fraction, dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_prefix_caching),
             speculative=speculative or SpeculativeConfig(),
         ))

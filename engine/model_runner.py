@@ -141,7 +141,7 @@ class ModelRunner:
 
     def _additive_mask(self, hidden: torch.Tensor) -> torch.Tensor:
         """0 where attention may look, -inf where `hidden`, in the model dtype."""
-        mask = torch.zeros(hidden.shape, dtype=self.kv_cache.spec.dtype, device=self.device)
+        mask = torch.zeros(hidden.shape, dtype=self.model.dtype, device=self.device)
         return mask.masked_fill_(hidden, float("-inf"))
 
 

@@ -6,7 +6,8 @@
 // sequence shares one pass over each key and value row (a token's KV heads lie together in its block), and
 // long contexts are cut into partitions so a batch of one still keeps every thread busy. A partition leaves its
 // unnormalised output with its running max and sum; a second pass merges a sequence's partitions (the
-// split-K rescaling of flash-decoding). Accumulation is in float32 whatever the cache's dtype.
+// split-K rescaling of flash-decoding). Accumulation is in float32 whatever the dtypes; the cache may be
+// narrower than the queries (a bfloat16 or float16 cache under a float32 model: half the bytes to read).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -47,12 +48,14 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 }
 
 // A row of the cache as float32: the row itself for a float32 cache, else converted into `buf`.
-template <typename T>
-inline const float* as_float(const T* row, float* buf, int64_t n) {
+template <int D, typename T>
+inline const float* as_float(const T* __restrict row, float* __restrict buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
   } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
+    const int64_t len = D > 0 ? D : n;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) buf[i] = static_cast<float>(row[i]);
     return buf;
   }
 }
@@ -61,7 +64,8 @@ struct Task {
   int64_t seq, t0, t1;
 };
 
-template <typename T, int D>
+// T: the queries' and output's dtype; C: the cache's (T, or a 16-bit type under float32 queries)
+template <typename T, typename C, int D>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seqs,
          double scale, int64_t partition) {
@@ -73,14 +77,14 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   const int32_t* info = seqs.data_ptr<int32_t>();  // [S, 3]: q_start, q_len, ctx_len
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   // one block's rows, all KV heads (contiguous in pdserve's own cache; in a strided view, the span)
-  const int64_t block_bytes = ((block_size - 1) * ks1 + (kv_heads - 1) * ks2 + d) * sizeof(T);
+  const int64_t block_bytes = ((block_size - 1) * ks1 + (kv_heads - 1) * ks2 + d) * sizeof(C);
 
   // a task is a partition of one sequence's context, every head: it reads each of its key and value rows
   // (all KV heads of a token, contiguous in a block) once
@@ -129,7 +133,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         for (int64_t off = 0; off < n; ++off) {
           const int64_t pos = b0 + off;
           for (int64_t h = 0; h < kv_heads; ++h) {
-            const float* key = as_float(kp + block * ks0 + off * ks1 + h * ks2, row.data(), d);
+            const float* key = as_float<D>(kp + block * ks0 + off * ks1 + h * ks2, row.data(), d);
             for (int64_t i = 0; i < q_len; ++i) {
               const bool visible = pos <= ctx - q_len + i;
               for (int64_t g = 0; g < group; ++g) {
@@ -159,7 +163,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         for (int64_t off = 0; off < n; ++off) {
           const int64_t pos = b0 + off;
           for (int64_t h = 0; h < kv_heads; ++h) {
-            const float* value = as_float(vp + block * vs0 + off * vs1 + h * vs2, row.data(), d);
+            const float* value = as_float<D>(vp + block * vs0 + off * vs1 + h * vs2, row.data(), d);
             for (int64_t i = 0; i < q_len; ++i)
               for (int64_t g = 0; g < group; ++g) {
                 const int64_t r = i * num_heads + h * group + g;
@@ -213,6 +217,17 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   });
 }
 
+template <typename T, typename C>
+void dispatch_head(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                   const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seqs,
+                   double scale, int64_t partition) {
+  switch (q.size(2)) {
+    case 64: return run<T, C, 64>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+    case 128: return run<T, C, 128>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+    default: return run<T, C, 0>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+  }
+}
+
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor seqs, double scale, int64_t partition) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: the CPU kernel got a tensor on ", q.device());
@@ -221,20 +236,23 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
               "[blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "paged_attention: head_dim must be the innermost, contiguous dimension");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "paged_attention: q, out and the caches must share one dtype");
+  const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK(qt == out.scalar_type() && ct == v_cache.scalar_type(),
+              "paged_attention: q and out must share one dtype, and the two caches another");
+  TORCH_CHECK(ct == qt || (qt == torch::kFloat && (ct == torch::kBFloat16 || ct == torch::kHalf)),
+              "paged_attention: the caches must have q's dtype, or be bfloat16/float16 under float32 q; got q ",
+              qt, ", caches ", ct);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
                   seqs.scalar_type() == torch::kInt32 && seqs.is_contiguous() && seqs.size(1) == 3,
               "paged_attention: block_tables [S, W] and seqs [S, 3] are contiguous int32");
   TORCH_CHECK(partition > 0, "paged_attention: partition must be positive");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    switch (q.size(2)) {
-      case 64: return run<scalar_t, 64>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
-      case 128: return run<scalar_t, 128>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
-      default: return run<scalar_t, 0>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
-    }
+  if (qt == torch::kFloat && ct == torch::kBFloat16)
+    return dispatch_head<float, at::BFloat16>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+  if (qt == torch::kFloat && ct == torch::kHalf)
+    return dispatch_head<float, at::Half>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qt, "paged_attention", [&] {
+    dispatch_head<scalar_t, scalar_t>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
   });
 }
 

@@ -33,6 +33,12 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     (lambda: CacheConfig(device_share=0), "device_share"),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (lambda: EngineConfig(model="tiny-random", dtype="float8"), "dtype"),
+    (lambda: CacheConfig(dtype="float8"), "CacheConfig.dtype"),
+    # a cache narrower than the model only under float32 weights; vLLM keeps its own
+    (lambda: EngineConfig(model="tiny-random", dtype="bfloat16", cache=CacheConfig(dtype="float16")),
+     "CacheConfig.dtype 'float16' under a bfloat16 model"),
+    (lambda: EngineConfig(model="tiny-random", backend="vllm", cache=CacheConfig(dtype="bfloat16")),
+     "kv-cache-dtype"),
 ])
 def test_bad_configs_name_the_field(build, field):
     with pytest.raises(ValueError, match=field):

@@ -41,14 +41,15 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
 
 
 def random_batch(rng: random.Random, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 contexts: list[int], q_lens: list[int], dtype: torch.dtype):
+                 contexts: list[int], q_lens: list[int], dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
     """Sequences whose blocks are scattered through a cache with spare blocks; q is a view into a wider
-    tensor (as the model's q is a slice of its fused qkv)."""
+    tensor (as the model's q is a slice of its fused qkv). The cache is `cache_dtype` (default q's)."""
+    cache_dtype = cache_dtype or dtype
     widths = [cdiv(c, block_size) for c in contexts]
     num_blocks = sum(widths) + 7
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
     ids = list(range(num_blocks))
     rng.shuffle(ids)
     tables = torch.zeros(len(contexts), max(widths), dtype=torch.int32)
@@ -68,21 +69,27 @@ def random_batch(rng: random.Random, heads: int, kv_heads: int, head_dim: int, b
     (4, 2, 16, 1),  # a token per block
     (12, 4, 64, 128),  # vLLM's CPU block size
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_sdpa_on_random_shapes(heads, kv_heads, head_dim, block_size, dtype):
-    rng = random.Random(hash((heads, kv_heads, head_dim, block_size, str(dtype))) & 0xFFFF)
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    # a 16-bit cache under a float32 model (`CacheConfig.dtype`): widened as it is read
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+])
+def test_kernel_equals_sdpa_on_random_shapes(heads, kv_heads, head_dim, block_size, dtype, cache_dtype):
+    rng = random.Random(hash((heads, kv_heads, head_dim, block_size, str(dtype), str(cache_dtype))) & 0xFFFF)
     # contexts at, just past and well across block and partition boundaries; decode rows and short chunks
     contexts = [1, block_size, block_size + 1, KERNEL_PARTITION, KERNEL_PARTITION + 1,
                 3 * KERNEL_PARTITION - 5, rng.randrange(2, 900)]
     q_lens = [1, 1, 2, 1, 5, 8, 1]
     q, k_cache, v_cache, tables, seqs = random_batch(rng, heads, kv_heads, head_dim, block_size,
                                                      contexts, [min(n, c) for n, c in zip(q_lens, contexts)],
-                                                     dtype)
+                                                     dtype, cache_dtype)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     scale = head_dim ** -0.5
     KERNELS.paged_attention(out, q, k_cache, v_cache, tables, seqs, scale, KERNEL_PARTITION)
     want = reference(q, k_cache, v_cache, tables, seqs, scale)
-    tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (8 bits of mantissa)
+    # bf16 output: its own rounding (8 bits of mantissa). A 16-bit cache under float32 q holds the very values
+    # the reference reads, so the float32 bound holds there too.
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
     assert not out.isnan().any(), "a row was left unwritten"
     assert (out.float() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
 
@@ -94,6 +101,9 @@ def test_kernel_refuses_mismatched_inputs_naming_them():
         KERNELS.paged_attention(out, q, k_cache, v_cache, tables.long(), seqs, 0.25, KERNEL_PARTITION)
     with pytest.raises(RuntimeError, match="one dtype"):
         KERNELS.paged_attention(out, q, k_cache.double(), v_cache, tables, seqs, 0.25, KERNEL_PARTITION)
+    with pytest.raises(RuntimeError, match="bfloat16/float16 under float32 q"):
+        KERNELS.paged_attention(out.bfloat16(), q.bfloat16(), k_cache.half(), v_cache.half(), tables, seqs, 0.25,
+                                KERNEL_PARTITION)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         KERNELS.paged_attention(out[:, :3], q[:, :3], k_cache, v_cache, tables, seqs, 0.25, KERNEL_PARTITION)
 
@@ -179,3 +189,44 @@ def test_smollm2_logits_match_hf_decoding_at_16_256_and_1024_tokens_of_context(s
 @pytest.mark.soak
 def test_smollm2_logits_match_hf_decoding_at_4096_tokens_of_context(smollm2):
     _decode_against_hf(*smollm2, [4096, 300], steps=3)
+
+
+def test_a_bfloat16_cache_under_float32_weights_halves_the_cache_and_both_paths_read_it_alike():
+    """`CacheConfig.dtype`: K and V are rounded into a bfloat16 cache, the model stays float32. The cache's
+    bytes halve; the kernel and the gathering path read the same rounded values (logits within 1e-5 of each
+    other); against the float32 cache the logits move by the rounding only."""
+    prompts = [[(7 * i + j) % 250 + 3 for i in range(n)] for j, n in enumerate((5, 70, 290))]
+    narrow, plain, full = (make_engine(kv_cache_dtype="bfloat16"), make_engine(kv_cache_dtype="bfloat16"),
+                           make_engine())
+    plain.runner.kernels = None
+    assert narrow.kv_cache.tensor.dtype == torch.bfloat16 and narrow.model.dtype == torch.float32
+    assert narrow.cache_spec.bytes_per_block * 2 == full.cache_spec.bytes_per_block
+    for engine in (narrow, plain, full):
+        for p in prompts:
+            engine.add_request(p, greedy(6, ignore_eos=True))
+    a, b, c = (run_capturing_logits(e) for e in (narrow, plain, full))
+    for rid in a:
+        for step, (x, y, z) in enumerate(zip(a[rid], b[rid], c[rid], strict=True)):
+            assert rel_err(x, y) <= 1e-5
+            if step == 0:  # a whole prompt in one step attends over its own fresh K and V, not the cache
+                assert rel_err(x, z) == 0
+            else:
+                assert 0 < rel_err(x, z) <= 2e-2, "a bfloat16 cache should round (and only round) K and V"
+
+
+def test_smollm2_with_a_bfloat16_cache_keeps_transformers_greedy_tokens(smollm2_hf):
+    """The real model, float32 weights over a bfloat16 KV cache: the greedy tokens of transformers (float32
+    throughout) on prompts of 30-700 tokens, 12 tokens each."""
+    from engine import LLM
+
+    llm = LLM("smollm2-135m", num_blocks=200, dtype="float32", device="cpu", kv_cache_dtype="bfloat16",
+              max_num_batched_tokens=1024)
+    words = ["the", "river", "carries", "old", "stones", "down", "from", "the", "hills", "and", "the", "town", "counts", "them", "every", "spring"]
+    prompts = [" ".join(words[(i * 3) % len(words):] + words * n) for i, n in enumerate((2, 12, 45))]
+    outs = llm.generate(prompts, greedy(12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            want = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                       min_new_tokens=12)[0, len(ids):].tolist()
+        assert out.token_ids == want, f"prompt of {len(ids)} tokens"
