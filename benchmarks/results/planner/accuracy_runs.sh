@@ -3,7 +3,7 @@
 # one layout at a time (--rounds 1), so every run sees the exact trace `pdserve plan simulate` replays.
 set -e
 cd "$(dirname "$0")/../../.."
-OUT=benchmarks/results/planner
+OUT=${1:-benchmarks/results/planner}; mkdir -p "$OUT"  # where the runs go (default: the 2026-12-03 set)
 COMMON="--rounds 1 --seed 0 --warmup 2 --no-progress"
 pdserve bench --launch 1p1d 2c --workload chat --rate 0.5 --num-requests 40 $COMMON --out $OUT/acc-chat-r0p5
 pdserve bench --launch 1p1d 2c --workload chat --rate 1.0 --num-requests 40 $COMMON --out $OUT/acc-chat-r1p0
