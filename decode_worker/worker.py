@@ -232,12 +232,12 @@ class DecodeWorker(WorkerBase):
         await self._on_loop(begin)
         return await future
 
-    async def kv_digest(self, request_id: str, num_tokens: int) -> str:
-        """SHA-256 of the K and V of the sequence's first `num_tokens` positions, every layer: what a moved
-        sequence's source and destination must agree on bit for bit (`--verify-kv-moves`)."""
+    async def kv_digest(self, request_id: str, num_tokens: int, start: int = 0) -> str:
+        """SHA-256 of the K and V of the sequence's positions `start` to `num_tokens`, every layer: what a
+        moved sequence's source and destination must agree on bit for bit (`--verify-kv-moves`)."""
 
         def digest() -> str:
-            sha = self.engine.kv_digest(request_id, num_tokens)
+            sha = self.engine.kv_digest(request_id, num_tokens, start)
             if sha is None:
                 raise ValueError(f"request {request_id!r} holds no KV for {num_tokens} tokens on {self.worker_id}")
             return sha

@@ -95,13 +95,18 @@ class EngineBackend(ABC):
         blocks = req.block_ids[:-(-num_tokens // self.cache_spec.block_size)]
         return self.kv_tensor()[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
 
-    def kv_digest(self, request_id: str, num_tokens: int) -> str | None:
-        """SHA-256 of `kv_of(request_id, num_tokens)`'s bytes: what both ends of a KV transfer or move must
-        agree on bit for bit (`--verify-kv-moves`). None when it holds no KV for them here."""
+    def kv_digest(self, request_id: str, num_tokens: int, start: int = 0) -> str | None:
+        """SHA-256 of the bytes of `kv_of(request_id, num_tokens)` from position `start` on: what both ends of
+        a KV transfer or move must agree on bit for bit (`--verify-kv-moves`). None when it holds no KV for
+        them here.
+
+        A transfer skips the blocks the destination's prefix cache holds already, so its check starts after
+        them: those blocks are the destination's own KV for the same tokens, computed on another path (a decode
+        step rather than a prefill chunk, another batch shape) and equal only to rounding."""
         kv = self.kv_of(request_id, num_tokens)
         if kv is None:
             return None
-        return hashlib.sha256(kv.contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
+        return hashlib.sha256(kv[:, :, start:].contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
 
     # -- KV from another engine (decode side) -----------------------------------------------------------
 

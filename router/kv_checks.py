@@ -28,7 +28,8 @@ class KVCheck:
     request_id: str
     src: str
     dst: str
-    num_tokens: int  # the prompt's KV positions compared
+    start: int  # the first position compared: those before it were cached on the decode worker, not sent
+    num_tokens: int  # the prompt's KV positions, up to which they are compared
     src_digest: str
     dst_digest: str | None  # None: the decode worker no longer held the sequence when asked (it had ended)
 
@@ -38,15 +39,16 @@ class KVCheck:
 
 
 async def check_transfer(request_id: str, att: Attempt, prefill: Worker, decode: Worker, sent: str,
-                         timeout: float, checks: deque[KVCheck]) -> None:
-    """Check `att`'s transfer, whose KV the prefill worker sent with digest `sent`, into `checks`. Raises
-    AttemptFailed (KV_TRANSFER) when the decode worker holds other bytes."""
+                         start: int, timeout: float, checks: deque[KVCheck]) -> None:
+    """Check `att`'s transfer, whose KV the prefill worker sent with digest `sent` (of the prompt's positions
+    from `start` on: those before are the blocks the decode worker's prefix cache held, not sent), into
+    `checks`. Raises AttemptFailed (KV_TRANSFER) when the decode worker holds other bytes."""
     try:
-        held: str | None = await decode.client.kv_digest(att.key, len(att.prompt), timeout)
+        held: str | None = await decode.client.kv_digest(att.key, len(att.prompt), start, timeout)
     except WorkerError as e:  # ended meanwhile, or the worker is going: its loss is noticed elsewhere
         logger.warning("KV check of %s on %s: no digest (%s)", request_id, decode.worker_id, e)
         held = None
-    check = KVCheck(request_id, prefill.worker_id, decode.worker_id, len(att.prompt), sent, held)
+    check = KVCheck(request_id, prefill.worker_id, decode.worker_id, start, len(att.prompt), sent, held)
     checks.append(check)
     if held is not None and not check.equal:
         logger.error("KV of %s from %s to %s differs from what was sent", request_id, prefill.worker_id,

@@ -337,8 +337,9 @@ class Router:
             cause = Cause.KV_TRANSFER if result.kv_failed else Cause.WORKER_ERROR
             raise AttemptFailed(cause, prefill.worker_id, result.error or "prefill failed")
         if result.kv_digest is not None:
-            await check_transfer(state.id, att, prefill, decode, result.kv_digest, self.config.call_timeout_s,
-                                 self.kv_checks)
+            start = att.reservation.num_cached_blocks * self.block_size if att.reservation is not None else 0
+            await check_transfer(state.id, att, prefill, decode, result.kv_digest, start,
+                                 self.config.call_timeout_s, self.kv_checks)
         if first:
             state.timing.kv_transfer = result.kv_done_at - result.sampled_at
         state.to(Phase.DECODING)

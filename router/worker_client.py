@@ -122,8 +122,9 @@ class WorkerClient(ABC):
         worker's transfer and the call share the one bound, `timeout`."""
 
     @abstractmethod
-    async def kv_digest(self, key: str, num_tokens: int, timeout: float) -> str:
-        """SHA-256 of the attempt's K and V for its first `num_tokens` positions (a move's bit-exact check)."""
+    async def kv_digest(self, key: str, num_tokens: int, start: int, timeout: float) -> str:
+        """SHA-256 of the attempt's K and V for its positions `start` to `num_tokens` (a transfer's or a
+        move's bit-exact check)."""
 
     @abstractmethod
     def steps(self) -> AsyncIterator[StepOutput]:
@@ -213,8 +214,8 @@ class RayWorkerClient(WorkerClient):
     async def send_kv(self, key: str, dst_key: str, reservation: Reservation, timeout: float) -> KVMoveResult:
         return await self._call(self.actor.send_kv.remote(key, dst_key, reservation, timeout), timeout)
 
-    async def kv_digest(self, key: str, num_tokens: int, timeout: float) -> str:
-        return await self._call(self.actor.kv_digest.remote(key, num_tokens), timeout)
+    async def kv_digest(self, key: str, num_tokens: int, start: int, timeout: float) -> str:
+        return await self._call(self.actor.kv_digest.remote(key, num_tokens, start), timeout)
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         async for out in self._stream(self.actor.stream_steps.options(num_returns="streaming").remote(

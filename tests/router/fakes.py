@@ -290,10 +290,10 @@ class FakeWorker(WorkerClient):
         self.moved_out.append((key, dst_key))
         return KVMoveResult(True, num_bytes=len(seq) - 1, seconds=0.001)
 
-    async def kv_digest(self, key, num_tokens, timeout):
+    async def kv_digest(self, key, num_tokens, start, timeout):
         await self._timed(self._enter(), timeout)
         seq, _ = self.running[key]
-        return str(hash(tuple(seq[:num_tokens])))
+        return str(hash(tuple(seq[start:num_tokens])))
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         while True:

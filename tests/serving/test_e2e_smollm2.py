@@ -92,3 +92,27 @@ def test_speculative_greedy_output_equals_the_engine_and_is_counted(ray_cluster,
         assert total("pdserve_spec_accepted_tokens_total") > 0
         assert 0 < total("pdserve_spec_accepted_tokens_total") <= total("pdserve_spec_draft_tokens_total")
         assert total("pdserve_decode_tokens_total") > total("pdserve_decode_seq_steps_total")
+
+
+def test_a_follow_up_over_an_answer_the_decode_worker_caches_passes_the_kv_check(ray_cluster):
+    """A chat's next turn carries the last answer, whose KV the decode worker computed step by step and keeps
+    in its prefix cache; the prefill worker computes the same positions in one pass, equal only to rounding.
+    The decode worker's cached blocks are not sent, so `--verify-kv-moves` compares what was (it once
+    compared every position, and failed each such turn on every retry)."""
+    first_turn = "The capital of France is"
+    with running_server(model="smollm2-135m", num_blocks=128, prefill_workers=1, decode_workers=1,
+                        verify_kv_moves=True) as server:
+        answer = token_ids(server.generate(greedy_request(first_turn, 48, ignore_eos=True)))
+        tokenizer = server.server.servicer.tokenizer
+        history = tokenizer.encode(first_turn) + answer
+        next_turn = tokenizer.encode(" Now describe the city's history, its rivers, bridges and markets, "
+                                     "the people who built them and the wars they survived." * 4)
+        follow_up = server.generate(greedy_request(history + next_turn, 8))
+        assert len(token_ids(follow_up)) == 8 and follow_up[-1].timing.placement == "remote"
+        # the first turn's blocks the answer filled were cached on the decode worker, and not sent again
+        cached = len(history) // 16 * 16
+        first, second = server.server.router.kv_checks
+        assert (first.start, second.start, second.num_tokens) == (0, cached, len(history + next_turn))
+        assert first.equal and second.equal and second.dst_digest is not None
+        reports = server.wait_idle()
+        assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
