@@ -3,7 +3,7 @@ first-token latency measured side by side in one run (SmolLM2, 1 prefill + 1 dec
 on loopback, three tenants from an `--api-keys` table).
 
     python -m benchmarks.tenant_bench [--layout 1p1d] [--prompt-tokens 256] [--probes 8] [--flood 12] [--burst 12]
-                                      [--rounds 3] [--json] [--out FILE]
+                                      [--rounds 3] [--lower-class-chunk-tokens 0 128] [--json] [--out FILE]
 
 Tenants: `flood` (at most 2 requests at a time, priority class 0), `batch` (no limits, class 0) and
 `interactive` (no limits, class 9). Every prompt is fresh random tokens, so no prefix cache helps anyone.
@@ -19,6 +19,10 @@ Tenants: `flood` (at most 2 requests at a time, priority class 0), `batch` (no l
   the high-priority request waits for at most the engine step in progress; the control waits for the burst.
   Reported: each one's TTFT minus the idle TTFT, in units of the idle prefill time of one prompt (one step:
   a prompt of `--prompt-tokens` is one prefill chunk).
+Each `--lower-class-chunk-tokens` value (the class-0 prompt tokens per step while class 9 is recent; 0: the
+whole step) gets a deployment of its own, one after another in one run, so the runs compare side by side; each
+reports the prompt tokens per second served to the flood and to `interactive` meanwhile: what the smaller
+steps cost the prefill worker is their sum, since the flood's share falls as `interactive` is served sooner.
 Every worker is a process on this machine's 2 cores: compare the ratios from one run, not the seconds.
 """
 
@@ -97,7 +101,10 @@ def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client,
     for t in threads:
         t.start()
     time.sleep(1.0)  # the flood is on
+    began, skip = time.monotonic(), len(flooded)
     probes = [inter.first_token() for _ in range(args.probes)]
+    seconds = time.monotonic() - began
+    served = sum(code == "OK" for code, _, _ in flooded[skip:])  # (those that ended while the probes ran)
     stop.set()
     for t in threads:
         t.join(120)
@@ -108,6 +115,8 @@ def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client,
     print(f"overload ({'polite' if polite else 'ignoring retry-after'}): interactive TTFT p50 {ttft * 1e3:.0f} ms; "
           f"flood: {len(flooded)} requests, {len(refused)} refused", file=sys.stderr, flush=True)
     return {"ttft_p50_s": ttft, "flood_requests": len(flooded), "flood_refused": len(refused),
+            "flood_prompt_tokens_per_s": served * args.prompt_tokens / seconds,
+            "interactive_prompt_tokens_per_s": len(probes) * args.prompt_tokens / seconds,
             "flood_other_errors": sorted({code for code, _, _ in flooded} - {"OK", "RESOURCE_EXHAUSTED"}),
             "refusal_p50_s": _p50(refused), "refusal_max_s": max(refused, default=float("nan"))}
 
@@ -159,13 +168,21 @@ def run(address: str, vocab: int, args: argparse.Namespace) -> dict:
     }
 
 
-def _text(s: dict) -> str:
-    lines = [f"interactive TTFT p50 with the server to itself: {s['idle_ttft_p50_s'] * 1e3:.0f} ms"]
+def _text(summary: dict) -> str:
+    return "\n".join(_run_text(s) for s in summary["runs"])
+
+
+def _run_text(s: dict) -> str:
+    lines = [f"--lower-class-chunk-tokens {s['lower_class_chunk_tokens']}:",
+             f"interactive TTFT p50 with the server to itself: {s['idle_ttft_p50_s'] * 1e3:.0f} ms"]
     for key, how in (("overload", "ignoring retry-after"), ("overload_polite", "waiting out retry-after")):
         o = s[key]
         lines.append(f"  beside a tenant flooding {how}: {o['ttft_p50_s'] * 1e3:.0f} ms ({o['over_idle']:.2f}x); "
                      f"{o['flood_refused']} of its {o['flood_requests']} requests refused at the door "
-                     f"(p50 {o['refusal_p50_s'] * 1e3:.1f} ms, max {o['refusal_max_s'] * 1e3:.1f} ms)")
+                     f"(p50 {o['refusal_p50_s'] * 1e3:.1f} ms, max {o['refusal_max_s'] * 1e3:.1f} ms); "
+                     f"prompt tokens/s served to it {o['flood_prompt_tokens_per_s']:.0f}, to interactive "
+                     f"{o['interactive_prompt_tokens_per_s']:.0f}, together "
+                     f"{o['flood_prompt_tokens_per_s'] + o['interactive_prompt_tokens_per_s']:.0f}")
     lines.append(f"behind a burst of {s['burst']} class-0 prompts: the class-9 request waits "
                  f"{s['burst_high_excess_steps']:.1f} steps more than idle, the class-0 one "
                  f"{s['burst_low_excess_steps']:.1f} (one step: the idle prefill of one prompt, "
@@ -182,25 +199,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flood", type=int, default=12, help="closed-loop clients of the flooding tenant")
     ap.add_argument("--burst", type=int, default=12, help="class-0 prompts sent at once")
     ap.add_argument("--rounds", type=int, default=3, help="bursts, each with one probe of each class")
+    ap.add_argument("--lower-class-chunk-tokens", type=int, nargs="+", default=[0, 128],
+                    help="one deployment per value, in this order (0: class 0 takes whole steps)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default=None, help="also write the JSON results to this file")
     args = ap.parse_args(argv)
 
     layout = Layout.parse(args.layout)
     start_ray([layout])
+    summary: dict = {"model": args.model, "layout": layout.label, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.json"
         keys.write_text(json.dumps(TABLE))
-        config = layout.serve_config(model=args.model, port=0, metrics_port=None, http_port=None,
-                                     worker_threads=1, num_blocks=2048, api_keys=str(keys))
-        print(f"starting {layout.description} for {args.model}...", file=sys.stderr, flush=True)
-        with LocalDeployment(config) as dep:
-            with ClientSecurity(api_key=KEYS["interactive"]).channel(dep.address) as channel:
-                vocab = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest()).vocab_size
-            warm = Client(dep.address, "interactive", vocab, 8, 0)
-            warm.first_token()  # (the first request pays for the workers' warm-up, outside the numbers)
-            warm.close()
-            summary = {"model": args.model, "layout": layout.label, **run(dep.address, vocab, args)}
+        for cap in args.lower_class_chunk_tokens:
+            config = layout.serve_config(model=args.model, port=0, metrics_port=None, http_port=None,
+                                         worker_threads=1, num_blocks=2048, api_keys=str(keys),
+                                         lower_class_chunk_tokens=cap)
+            print(f"starting {layout.description} for {args.model}, --lower-class-chunk-tokens {cap}...",
+                  file=sys.stderr, flush=True)
+            with LocalDeployment(config) as dep:
+                with ClientSecurity(api_key=KEYS["interactive"]).channel(dep.address) as channel:
+                    vocab = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest()).vocab_size
+                warm = Client(dep.address, "interactive", vocab, 8, 0)
+                warm.first_token()  # (the first request pays for the workers' warm-up, outside the numbers)
+                warm.close()
+                summary["runs"].append({"lower_class_chunk_tokens": cap, **run(dep.address, vocab, args)})
     emit(summary, args.out, args.json, _text)
     return 0
 

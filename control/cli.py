@@ -78,6 +78,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "the whole step budget); bounds how long a new prompt waits for the step in progress. "
                         "256 suits CPUs (steps of a fraction of a second); on GPUs raise it (1024-2048) so a "
                         "step keeps the GPU busy")
+    p.add_argument("--lower-class-chunk-tokens", type=int, default=128,
+                   help="fair order: while prompts of a higher priority class keep arriving (one seen in the "
+                        "worker's last 256 steps), the lower classes' prompts compute at most this many tokens a "
+                        "step, so a high-class prompt waits for a smaller step in progress (0: no cap of their "
+                        "own). With one class, as when no tenant has a priority, it changes nothing")
     p.add_argument("--decode-prefill-chunk-tokens", type=int, default=64,
                    help="the same on decode workers, for prompts they prefill themselves (--local-prefill): "
                         "small, so a local prefill stalls the worker's streams by about one decode step at a "
@@ -221,6 +226,7 @@ def serve_config(args: argparse.Namespace):
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,
         prefill_chunk_tokens=args.prefill_chunk_tokens, decode_prefill_chunk_tokens=args.decode_prefill_chunk_tokens,
+        lower_class_chunk_tokens=args.lower_class_chunk_tokens,
         routers_spread=args.routers_spread, max_pool_size=args.max_pool_size, engine=args.engine,
         prefill_engine=args.prefill_engine, decode_engine=args.decode_engine, block_size=args.block_size,
         autoscale=_autoscale(args))

@@ -74,6 +74,8 @@ class ServeConfig:
     # the same on decode workers (local prefills): small, so a prompt computed there stalls its streams by
     # about one decode step at a time, not by the whole prompt at once (Sarathi-Serve's stall-free batching)
     decode_prefill_chunk_tokens: int = 64
+    # fair order: the lower priority classes' prompt tokens per step while a higher class is recent (0: no cap)
+    lower_class_chunk_tokens: int = 128
     # the router's cost model's stand-ins and measurement floor (no flag: the defaults learn from measurements)
     cost_priors: CostPriors = field(default_factory=CostPriors)
     max_queue: int = 256  # requests waiting for KV room before RESOURCE_EXHAUSTED
@@ -167,6 +169,9 @@ class ServeConfig:
         if self.decode_prefill_chunk_tokens < 0:
             raise ValueError("--decode-prefill-chunk-tokens must be >= 0 (0: the whole step budget), got "
                              f"{self.decode_prefill_chunk_tokens}")
+        if self.lower_class_chunk_tokens < 0:
+            raise ValueError("--lower-class-chunk-tokens must be >= 0 (0: no cap of their own), got "
+                             f"{self.lower_class_chunk_tokens}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"--prefill-chunk-tokens must be >= 0 (0: the whole step budget), got "
                              f"{self.prefill_chunk_tokens}")
@@ -224,7 +229,8 @@ class ServeConfig:
                             cache=CacheConfig(self.kv_block_size, self.num_blocks, dtype=self.kv_cache_dtype),
                             scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order,
                                                       prefill_chunk_tokens=self.prefill_chunk_tokens
-                                                      if chunk is None else chunk),
+                                                      if chunk is None else chunk,
+                                                      lower_class_chunk_tokens=self.lower_class_chunk_tokens),
                             speculative=spec, backend=self.pool_engine(kind))
 
     def tls(self) -> TLSConfig | None:

@@ -171,12 +171,23 @@ class SchedulerConfig:
     # step in progress, however many long prompts are queued (a per-prompt cap would not: four long prompts'
     # chunks fill a 2,048-token step). Keep it large enough for a step to stay compute-bound.
     prefill_chunk_tokens: int = 0
+    # fair order: the most prompt tokens a step computes for prompts of a class below the highest one this
+    # engine has seen in its last `priority_memory_steps` steps (0: no cap of their own). A high-class prompt
+    # that arrives mid-step waits for the step in progress; while such prompts keep coming, lower classes run
+    # in smaller steps so that wait is short. With one class, nothing changes.
+    lower_class_chunk_tokens: int = 0
+    priority_memory_steps: int = 256
 
     def __post_init__(self) -> None:
         if self.prefill_order not in ("fifo", "fair"):
             raise ValueError(f"SchedulerConfig.prefill_order must be 'fifo' or 'fair', got {self.prefill_order!r}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"SchedulerConfig.prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens}")
+        if self.lower_class_chunk_tokens < 0:
+            raise ValueError("SchedulerConfig.lower_class_chunk_tokens must be >= 0 (0: no cap of their own), "
+                             f"got {self.lower_class_chunk_tokens}")
+        if self.priority_memory_steps < 0:
+            raise ValueError(f"SchedulerConfig.priority_memory_steps must be >= 0, got {self.priority_memory_steps}")
         if self.prefill_aging_tokens_per_step < 0:
             raise ValueError("SchedulerConfig.prefill_aging_tokens_per_step must be >= 0, "
                              f"got {self.prefill_aging_tokens_per_step}")

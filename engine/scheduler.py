@@ -7,7 +7,8 @@ sequences still come first, but every prompt (prefilling or waiting) then takes 
 priority class, then of its uncomputed tokens, lowered by how many steps it has waited: a short prompt is
 not stuck behind a long one, and the long one takes what is left of each step. All prompts together compute
 at most `prefill_chunk_tokens` per step, which bounds a new prompt's wait for the step in progress
-(Sarathi-Serve's token budget). A new sequence first takes whatever prefix of its prompt the prefix cache
+(Sarathi-Serve's token budget); while a higher priority class has been seen lately, the lower classes' prompts
+compute at most `lower_class_chunk_tokens` per step, so a high-class prompt's wait is that smaller step. A new sequence first takes whatever prefix of its prompt the prefix cache
 holds. When a running sequence needs a block and none is free, the most recently admitted sequence is
 preempted: its blocks are freed and it is recomputed from scratch later (vLLM's recompute preemption).
 
@@ -76,6 +77,7 @@ class Scheduler:
         self.paused: dict[str, Request] = {}  # running sequences held out of the batch (a slow reader)
         self._step = 0  # schedule() calls so far: the clock fair order ages prompts by
         self._arrival_step: dict[str, int] = {}
+        self._class_seen_step: dict[int, int] = {}  # priority class -> the last step it had a prompt here
 
     @property
     def spec_stats(self) -> SpecCounts:
@@ -89,6 +91,7 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         self._arrival_step[request.request_id] = self._step
+        self._class_seen_step[request.params.priority] = self._step
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -189,10 +192,17 @@ class Scheduler:
             n = req.num_tokens - req.num_computed_tokens - 1
         return n
 
+    def _top_recent_class(self) -> int:
+        """The highest priority class with a prompt here in the last `priority_memory_steps` steps."""
+        memory = self.config.priority_memory_steps
+        return max((c for c, step in self._class_seen_step.items() if self._step - step <= memory), default=0)
+
     def _schedule_prompts_fairly(self, out: SchedulerOutput, budget: int) -> None:
         """Prompts, prefilling and waiting alike, higher priority classes first, then by uncomputed tokens less
-        their aging credit, together at most `prefill_chunk_tokens` this step."""
+        their aging credit, together at most `prefill_chunk_tokens` this step, those of a class below the
+        top recent one at most `lower_class_chunk_tokens`."""
         budget = min(budget, self.config.prefill_chunk_tokens or budget)
+        lower = self.config.lower_class_chunk_tokens or budget
         rate = self.config.prefill_aging_tokens_per_step
 
         def key(r: Request) -> tuple[int, float]:
@@ -201,12 +211,17 @@ class Scheduler:
 
         prompts = sorted([r for r in self.running if r.status == RequestStatus.PREFILLING] + list(self.waiting),
                          key=key)
+        for req in prompts:  # (a class waiting here is seen, however long ago it arrived)
+            self._class_seen_step[req.params.priority] = self._step
+        top = self._top_recent_class()
         for req in prompts:
+            below = req.params.priority < top
+            cap = min(budget, lower) if below else budget
             if budget <= 0:
                 return
-            if req.is_finished or req.status not in (RequestStatus.PREFILLING, RequestStatus.WAITING):
-                continue  # preempted (or ended) as a victim earlier in this loop
-            n = self._chunk_len(req, budget)
+            if cap <= 0 or req.is_finished or req.status not in (RequestStatus.PREFILLING, RequestStatus.WAITING):
+                continue  # the lower classes' share is spent; or preempted (or ended) as a victim in this loop
+            n = self._chunk_len(req, cap)
             if n == 0:
                 continue  # its last chunk waits for its KV destination
             if req.status == RequestStatus.PREFILLING:
@@ -217,15 +232,16 @@ class Scheduler:
                     continue
                 if self._end_if_too_large(req, out):
                     continue
-                if not self._admit(req, budget):
+                if not self._admit(req, cap):
                     continue
                 self.waiting.remove(req)
                 self.running.append(req)
-                n = self._chunk_len(req, budget)
+                n = self._chunk_len(req, cap)
                 if n == 0:
                     continue  # its cached prefix left only the last chunk, which waits
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
+            lower -= n if below else 0
 
     def _end_if_too_large(self, req: Request, out: SchedulerOutput) -> bool:
         """End a waiting request larger than the whole cache (it grew there decoding): it can never run."""

@@ -305,6 +305,28 @@ def test_fair_order_computes_a_higher_priority_class_first():
     assert low in engine.scheduler.waiting
 
 
+def test_lower_classes_take_smaller_steps_while_a_higher_class_is_recent_and_the_whole_step_otherwise():
+    engine = make_engine(max_num_batched_tokens=64, prefill_order="fair", lower_class_chunk_tokens=16,
+                         priority_memory_steps=3)
+
+    def prompt_tokens(req: Request) -> list[int]:
+        steps = []
+        while not req.output_token_ids:
+            out = engine.step()[0]
+            steps.append(sum(c.num_tokens for c in out.chunks if c.request is req))
+        return steps
+
+    # one class only (as when no request asks for a priority): whole steps
+    assert prompt_tokens(engine.add_request(LONG[::-1][:200], greedy(1, ignore_eos=True))) == [64, 64, 64, 8]
+    low = engine.add_request(LONG, greedy(1, ignore_eos=True))
+    high = engine.add_request(PROMPT[:40], greedy(1, ignore_eos=True, priority=5))
+    out = engine.step()[0]
+    # the high class goes first, the low one takes at most its share of what is left
+    assert [(c.request, c.num_tokens) for c in out.chunks] == [(high, 40), (low, 16)]
+    # the high class ended; for `priority_memory_steps` steps the low one still takes small ones, then whole
+    assert prompt_tokens(low) == [16, 16, 16, 64, 64, 64, 44]
+
+
 def test_fifo_order_admits_a_higher_priority_class_first_and_by_arrival_within_a_class():
     engine = make_engine(max_num_batched_tokens=64, prefill_order="fifo", max_num_seqs=1)
     first = engine.add_request(PROMPT[:12], greedy(1, ignore_eos=True))

@@ -1,4 +1,4 @@
-"""`--prefill-chunk-tokens` and `--decode-prefill-chunk-tokens`: which pools get which prompt cap per step."""
+"""`--prefill-chunk-tokens`, `--decode-prefill-chunk-tokens` and `--lower-class-chunk-tokens`: which pools get which prompt cap per step."""
 
 from __future__ import annotations
 
@@ -36,3 +36,12 @@ def test_a_negative_cap_names_the_flag():
 def test_in_fifo_order_the_router_does_not_price_local_prefills_in_chunks():
     """(The engine caps prompt tokens per step in fair order only.)"""
     assert config("--prefill-order", "fifo").router_config().local_chunk_tokens == 0
+
+
+def test_lower_classes_cap_reaches_every_pools_scheduler_and_a_negative_one_names_the_flag():
+    def lower(*argv: str) -> set[int]:
+        return {s.engine.scheduler.lower_class_chunk_tokens for s in config(*argv).pool_specs()}
+
+    assert lower() == {128} and lower("--lower-class-chunk-tokens", "0") == {0}
+    with pytest.raises(ValueError, match="--lower-class-chunk-tokens"):
+        config("--lower-class-chunk-tokens", "-5")
