@@ -101,6 +101,9 @@ def _fake_worker_classes():
         async def kv_digest(self, *a, **k):
             raise NotImplementedError
 
+        async def forget_kv(self, *a, **k):
+            raise NotImplementedError
+
         async def steps(self) -> AsyncIterator:
             raise NotImplementedError
             yield

@@ -27,6 +27,7 @@ Every request id here is the router's attempt key: unique per attempt, never reu
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
@@ -48,6 +49,8 @@ from protocol.messages import (
     StepOutput,
     TokenDelta,
 )
+
+logger = logging.getLogger(__name__)
 
 # a reservation lapses this long after it was made or last renewed (the router renews it every ~0.5 s)
 DEFAULT_LEASE_S = 30.0
@@ -243,6 +246,19 @@ class DecodeWorker(WorkerBase):
             return sha
 
         return await self._on_loop(digest)
+
+    async def forget_kv(self, request_id: str, start: int) -> bool:
+        """The KV this sequence holds from position `start` on differs from what was sent (`--verify-kv-moves`):
+        out of the prefix cache with it, so no later prompt reuses it. False when that could not be done."""
+
+        def forget() -> bool:
+            if self.engine.forget_kv(request_id, start):
+                return True
+            logger.warning("%s: could not take %s's KV out of the prefix cache (%s engine, or the sequence "
+                           "has ended)", self.worker_id, request_id, type(self.engine).__name__)
+            return False
+
+        return await self._on_loop(forget)
 
     # -- colocated --------------------------------------------------------------------------------------
 

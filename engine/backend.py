@@ -108,6 +108,12 @@ class EngineBackend(ABC):
             return None
         return hashlib.sha256(kv[:, :, start:].contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
 
+    def forget_kv(self, request_id: str, start: int) -> bool:
+        """Take a sequence's KV from position `start` on out of the prefix cache (its check failed: it differs
+        from what was sent). False when the request is unknown, or the engine cannot: vLLM keeps its prefix
+        cache to itself, and a failed check there leaves the blocks cached (the worker logs it)."""
+        return False
+
     # -- KV from another engine (decode side) -----------------------------------------------------------
 
     @property

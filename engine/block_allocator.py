@@ -153,6 +153,12 @@ class BlockAllocator:
         self.cached[block_hash] = block
         self.events.append(block_hash, True)
 
+    def forget(self, blocks: list[int]) -> None:
+        """Take blocks out of the prefix cache, whoever holds them: their KV is not to be reused (a transfer's
+        check found it differs from what was sent)."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_cache(self) -> None:
         """Forget every cached prefix whose block is free."""
         for block in list(self.free_queue):

@@ -9,6 +9,8 @@ sequence holds goes back in one call (`free`), on every path out: finished, abor
 
 from __future__ import annotations
 
+import sys
+
 from engine.block_allocator import BlockAllocator
 from engine.config import cdiv
 from engine.request import Request
@@ -79,6 +81,12 @@ class KVCacheManager:
         for i in range(start, end):
             self.allocator.cache_block(req.block_ids[i], req.block_hashes[i])
         self._num_committed[req.request_id] = max(start, end)
+
+    def forget(self, req: Request, first_block: int) -> None:
+        """Take the sequence's blocks from `first_block` on out of the prefix cache, and register none of its
+        blocks again."""
+        self.allocator.forget(req.block_ids[first_block:])
+        self._num_committed[req.request_id] = sys.maxsize  # (as if every block were registered already)
 
     def trim(self, req: Request) -> None:
         """Free the blocks past the sequence's tokens (they held only rejected drafts' slots)."""

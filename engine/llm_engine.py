@@ -194,6 +194,9 @@ class LLMEngine(EngineBackend):
     def kv_landed(self, request: Request, first_token: int) -> bool:
         return self.scheduler.kv_landed(request, first_token)
 
+    def forget_kv(self, request_id: str, start: int) -> bool:
+        return self.scheduler.forget_kv(request_id, start)
+
     def reset_prefix_cache(self) -> None:
         self.allocator.reset_cache()
 

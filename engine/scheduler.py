@@ -329,6 +329,15 @@ class Scheduler:
         self._arrival_step[req.request_id] = self._step  # (a preempted one waits, and ages, like any prompt)
         return req.block_ids
 
+    def forget_kv(self, request_id: str, start: int) -> bool:
+        """Take a sequence's KV from position `start` (a block boundary) on out of the prefix cache: a check
+        found it differs from what was sent, so no later prompt may reuse it. False for an unknown request."""
+        req = self.requests.get(request_id) or self.paused.get(request_id)
+        if req is None:
+            return False
+        self.kv.forget(req, start // self.kv.block_size)
+        return True
+
     def kv_received(self, request_ids: list[str]) -> None:
         """Decode worker: these reserved prompts' KV has landed in their blocks (WAITING_FOR_KV -> KV_LANDED);
         unknown or finished ids are skipped."""

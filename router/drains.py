@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from engine.config import cdiv
 from protocol import Cause, Method, PoolKind
 from protocol.messages import KVMoveResult
+from router.kv_checks import forget
 from router.lifecycle import Attempt, MoveNotice, Phase, RequestState
 from router.placement import choose_decode
 from router.registry import Worker
@@ -164,6 +165,7 @@ class Drains:
                             if move.src_digest != move.dst_digest:
                                 logger.error("KV move of %s from %s to %s: the KV differs from its source",
                                              state.id, src.worker_id, dst.worker_id)
+                                await forget(dst, new.key, sent_from, timeout)
                                 return None
                     finally:
                         self.kv_moves.append(move)  # every move that sent its KV, whatever came of it

@@ -38,6 +38,16 @@ class KVCheck:
         return self.src_digest == self.dst_digest
 
 
+async def forget(worker: Worker, key: str, start: int, timeout: float) -> None:
+    """A check failed: take the KV `worker` received for `key` (from position `start` on) out of its prefix
+    cache before the attempt ends, or a later prompt would reuse it unchecked (its blocks would count as the
+    destination's own). Best effort: a worker that cannot be reached is being lost anyway."""
+    try:
+        await worker.client.forget_kv(key, start, timeout)
+    except WorkerError as e:
+        logger.warning("could not take %s's KV out of %s's prefix cache: %s", key, worker.worker_id, e)
+
+
 async def check_transfer(request_id: str, att: Attempt, prefill: Worker, decode: Worker, sent: str,
                          start: int, timeout: float, checks: deque[KVCheck]) -> None:
     """Check `att`'s transfer, whose KV the prefill worker sent with digest `sent` (of the prompt's positions
@@ -53,5 +63,6 @@ async def check_transfer(request_id: str, att: Attempt, prefill: Worker, decode:
     if held is not None and not check.equal:
         logger.error("KV of %s from %s to %s differs from what was sent", request_id, prefill.worker_id,
                      decode.worker_id)
+        await forget(decode, att.key, start, timeout)
         raise AttemptFailed(Cause.KV_TRANSFER, decode.worker_id, "the KV the decode worker holds differs from "
                             "what the prefill worker sent (--verify-kv-moves)")

@@ -122,6 +122,10 @@ class WorkerClient(ABC):
         worker's transfer and the call share the one bound, `timeout`."""
 
     @abstractmethod
+    async def forget_kv(self, key: str, start: int, timeout: float) -> bool:
+        """The attempt's KV from position `start` on failed its check: out of the worker's prefix cache."""
+
+    @abstractmethod
     async def kv_digest(self, key: str, num_tokens: int, start: int, timeout: float) -> str:
         """SHA-256 of the attempt's K and V for its positions `start` to `num_tokens` (a transfer's or a
         move's bit-exact check)."""
@@ -213,6 +217,9 @@ class RayWorkerClient(WorkerClient):
 
     async def send_kv(self, key: str, dst_key: str, reservation: Reservation, timeout: float) -> KVMoveResult:
         return await self._call(self.actor.send_kv.remote(key, dst_key, reservation, timeout), timeout)
+
+    async def forget_kv(self, key: str, start: int, timeout: float) -> bool:
+        return await self._call(self.actor.forget_kv.remote(key, start), timeout)
 
     async def kv_digest(self, key: str, num_tokens: int, start: int, timeout: float) -> str:
         return await self._call(self.actor.kv_digest.remote(key, num_tokens, start), timeout)

@@ -235,6 +235,27 @@ def test_a_sequence_whose_kv_came_from_elsewhere_ages_like_any_prompt_once_preem
     assert [c.request for c in out.chunks][:2] == [moved, short]  # the older first, though it is longer
 
 
+def test_received_kv_that_failed_its_check_leaves_the_prefix_cache_and_is_never_registered_again():
+    engine = make_engine()
+    first = Request("first", LONG[:100], greedy(40, ignore_eos=True), 16)
+    assert engine.reserve_for_kv(first) is not None
+    engine.kv_landed(first, 7)
+    hashes = first.block_hashes[:6]
+    assert engine.allocator.find_cached(hashes) == first.block_ids[:6]  # landed: its full blocks are shared
+    assert engine.forget_kv("first", 32)  # (the check compared from position 32: 2 blocks came from cache)
+    assert engine.allocator.find_cached(hashes) == first.block_ids[:2]
+    for _ in range(20):  # decoding fills more blocks: none of them is registered either
+        engine.step()
+    assert len(first.block_hashes) > 6 and engine.allocator.num_cached_blocks == 2
+    engine.abort_request("first")
+    engine.allocator.check_invariants()
+    # the next prompt over the same tokens reuses only the 2 blocks that were not received
+    again = Request("again", LONG[:100], greedy(1), 16)
+    engine.reserve_for_kv(again)
+    assert again.num_cached_tokens == 32
+    assert not engine.forget_kv("nobody", 0)
+
+
 def test_a_step_reports_what_it_computed_and_shares_its_time_among_the_prompts_it_computed():
     engine = make_engine(max_num_batched_tokens=64)
     decoding = engine.add_request(PROMPT[40:60], greedy(8, ignore_eos=True))  # shares no block with PROMPT

@@ -67,6 +67,8 @@ class FakeWorker(WorkerClient):
         self.peers: dict[str, FakeWorker] = {}  # the cluster's workers, for KV moves
         self.moved_out: list[tuple[str, str]] = []  # (key, dst key) of every KV move sent
         self.fail_next_move = False
+        self.corrupt_next_check = False  # decode: the next kv_digest answers other bytes than were sent
+        self.forgotten: list[tuple[str, int]] = []  # decode: (key, start) of every forget_kv
         self.connected: list = []  # the peers a drain warmed links to
         self.flow: list[tuple[str, str]] = []  # ("pause" | "resume", key), in order
         self.dead = False
@@ -206,7 +208,11 @@ class FakeWorker(WorkerClient):
         if failure == "kv":
             yield PrefillResult(key, None, None, 0, "injected kv failure", kv_failed=True)
             return
-        yield PrefillResult(key, token, finish, 0, scheduled_at=1.0, sampled_at=1.0, kv_done_at=1.0)
+        # the fake's "KV" is the prompt itself; the blocks the destination cached were not sent
+        start = reservation.num_cached_blocks * BLOCK if reservation is not None else 0
+        digest = str(hash(tuple(prompt[start:]))) if verify_kv else None
+        yield PrefillResult(key, token, finish, 0, scheduled_at=1.0, sampled_at=1.0, kv_done_at=1.0,
+                            kv_digest=digest)
 
     async def set_destination(self, key, reservation, timeout):
         await self._timed(self._enter(), timeout)
@@ -293,7 +299,15 @@ class FakeWorker(WorkerClient):
     async def kv_digest(self, key, num_tokens, start, timeout):
         await self._timed(self._enter(), timeout)
         seq, _ = self.running[key]
+        if self.corrupt_next_check:
+            self.corrupt_next_check = False
+            return "other bytes"
         return str(hash(tuple(seq[start:num_tokens])))
+
+    async def forget_kv(self, key, start, timeout):
+        await self._timed(self._enter(), timeout)
+        self.forgotten.append((key, start))
+        return True
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         while True:

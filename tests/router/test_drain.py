@@ -108,6 +108,21 @@ def test_a_failed_kv_move_falls_back_to_recompute_without_counting_as_a_failure(
     run(go())
 
 
+def test_a_moved_kv_that_differs_from_its_source_is_forgotten_there_and_the_stream_recomputes():
+    async def go():
+        c, obs = _cluster(verify_kv_moves=True)
+        c["decode-1"].corrupt_next_check = True
+        prompts, results, drained = await _drain_under_load(c, 3, Method.KV)
+        assert drained
+        assert [tokens for tokens, _, _ in results] == [reference(p, 120) for p in prompts]
+        assert sorted(obs.migrations) == [("drain", "kv"), ("drain", "kv"), ("drain", "recompute")]
+        (bad,) = [m for m in c.router.kv_moves if m.src_digest != m.dst_digest]
+        assert [key for key, _ in c["decode-1"].forgotten] == [f"{bad.request_id}.2"]
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0, "decode-1": 0}
+
+    run(go())
+
+
 def test_drain_by_recompute_is_exact_too():
     async def go():
         c, obs = _cluster()

@@ -453,6 +453,23 @@ def test_the_first_token_reaches_the_client_before_the_kv_lands():
     run(go())
 
 
+def test_kv_that_differs_from_what_was_sent_is_forgotten_by_the_decode_worker_and_the_request_retried():
+    async def go():
+        c = FakeCluster(1, 1, verify_kv_moves=True)
+        c["decode-0"].corrupt_next_check = True
+        tokens, finish, state = await c.collect(c.request("a", PROMPT, 8))
+        await c.settle()
+        assert tokens == reference(PROMPT, 8) and finish == "length"
+        assert [f.cause.value for f in state.failures] == ["kv_transfer"]
+        # the first attempt's KV left the decode worker's prefix cache before it was aborted
+        assert c["decode-0"].forgotten == [(f"{state.id}.1", 0)]
+        checks = list(c.router.kv_checks)
+        assert [ch.equal for ch in checks] == [False, True] and all(ch.start == 0 for ch in checks)
+        assert c.blocks_in_use() == {"prefill-0": 0, "decode-0": 0}
+
+    run(go())
+
+
 def test_a_kv_transfer_failing_after_the_first_token_went_out_continues_after_it():
     async def go():
         c = FakeCluster(1, 1)
