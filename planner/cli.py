@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--launch", action="store_true", help="start a 1p1d deployment here, as pdserve bench")
     target.add_argument("--server", metavar="HOST:PORT", help="a running 1-prefill + 1-decode deployment")
+    target.add_argument("--refit", metavar="PROFILE",
+                        help="fit an earlier profile's stored samples again with this version's fitting (its "
+                             "machine, date and settings kept): no deployment")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--worker-threads", type=int, default=1)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (--launch)")
@@ -118,14 +121,16 @@ def slo_of(args: argparse.Namespace) -> SLO:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from planner.profiler import profile_launched, profile_server
+    from planner.profiler import profile_launched, profile_server, refit
 
     cores = {"auto": os.cpu_count(), "none": None}.get(args.shared_cores)
     if args.shared_cores not in ("auto", "none"):
         cores = int(args.shared_cores)
     engine = EngineSettings(prefill_chunk_tokens=args.prefill_chunk_tokens)
     t0 = time.monotonic()
-    if args.launch:
+    if args.refit:
+        profile = refit(Profile.load(args.refit), args.refit)
+    elif args.launch:
         profile = profile_launched(args.model, engine, cores, args.worker_threads, args.num_blocks,
                                    args.kv_bytes_per_token)
     else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import statistics
 import sys
@@ -168,6 +169,20 @@ async def measure_interference(probe: Prober) -> dict:
     return out
 
 
+def overlap_stretch(extra_s: float, overlap_s: float) -> float:
+    """How much longer a step takes while another worker computes, from a long prefill that took `extra_s`
+    longer than alone while a batch decoded beside it for `overlap_s` of it: at a stretch i, those seconds
+    did the work of overlap / (1 + i), so extra = overlap * i / (1 + i). Capped at 1 (half speed).
+
+    NOTE: the long prefill, not the batch's steps, measures it: it is one fitted number against one long
+    measurement, where a decode step's stretch would be a ratio of two noisy medians of tens of
+    milliseconds. Dividing the extra by the whole prefill, as this fit once did, took 1,280 tokens' 4.27 s
+    against 3.84 alone as a stretch of 0.06 where the 2.2 s of overlap say 0.24."""
+    if extra_s <= 0 or overlap_s <= 0:
+        return 0.0
+    return min(1.0, extra_s / max(overlap_s - extra_s, 1e-9))
+
+
 def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, model: str,
                 cpu_per_token_s: float, router_link_bytes_per_s: float | None, shared_cores: int | None) -> Profile:
     """The profile's constants from the sweeps' samples (module docstring)."""
@@ -190,12 +205,11 @@ def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, mod
     decode = DecodeCost(d0, d_seq, d_ctx)
     inter = samples.get("interference")
     interference = 0.0
-    if inter:  # the decode step's and the long prefill's stretch when both compute at once, averaged
+    if inter and inter["prefill_s"]:
         solo_prefill = sum(c * f for c, f in zip((step_s, token_s, attention_s),
                                                   prefill_features(inter["prompt_len"], 0, chunk)))
-        stretch = [inter["gap_p50_s"] / decode.step(inter["batch"], int(inter["batch"] * (32 + DECODE_OUTPUT / 2)))]
-        stretch += [statistics.median(inter["prefill_s"]) / solo_prefill] if inter["prefill_s"] else []
-        interference = max(0.0, statistics.mean(stretch) - 1)
+        interference = overlap_stretch(statistics.median(inter["prefill_s"]) - solo_prefill,
+                                       (DECODE_OUTPUT - 1) * inter["gap_p50_s"])
     p = Profile(model, machine_info(), utc_now(), prefill, decode,
                 TransferCost(bytes_per_token, link, latency), RouterCost(max(0.0, router_s), cpu_per_token_s),
                 engine, shared_cores, interference=interference)
@@ -213,6 +227,19 @@ def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, mod
         "router_link_bytes_per_s": router_link_bytes_per_s,
     }
     return Profile(**(p.__dict__ | {"samples": samples | {"checks": checks}}))
+
+
+def refit(old: Profile, name: str) -> Profile:
+    """`old`'s constants fitted again from its stored samples by this version's `fit_profile`; where and when
+    it was measured, and the settings it was measured with, are kept."""
+    samples = {k: v for k, v in old.samples.items() if k != "checks"}
+    if not samples.get("prefill") or not samples.get("decode"):
+        raise ValueError(f"{name}: holds no samples to fit again (a scaled or hand-written profile)")
+    link = old.samples.get("checks", {}).get("router_link_bytes_per_s")
+    new = fit_profile(samples, old.engine, old.transfer.bytes_per_token, old.model, old.router.token_s, link,
+                      int(old.shared_cores) if old.shared_cores else None)
+    return dataclasses.replace(new, machine=old.machine, date=old.date,
+                               source=f"{old.source}, fitted again from its samples ({name})")
 
 
 @contextlib.asynccontextmanager

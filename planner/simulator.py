@@ -12,8 +12,9 @@ decode), KV pushed per chunk over the pair's link (a link carries one push at a 
 (a prompt longer than two steps of prompt tokens gets its decode blocks when its prefill is done; none free:
 it waits there), the router's admission queue (no decode worker with room: wait), and, on a CPU profile,
 workers sharing `shared_cores` cores (a step that starts while k workers compute takes k/cores as long,
-and `interference` longer for each of the others: shared memory bandwidth; the router's CPU for the
-tokens it relays comes off those cores).
+or `interference` longer for each of the others, whichever is more: shared memory bandwidth; the router's
+CPU for the tokens it relays comes off those cores), and a decode reservation made at placement waiting
+for the decode worker's step in progress (the worker takes the call between steps) before the prefill starts.
 
 What it leaves out: local prefill, speculative decoding, preemption, prefix-cache eviction, failures.
 """
@@ -162,9 +163,24 @@ class Simulation:
         assert best.prefill is not None, "local prefill is not simulated"
         decode = self.by_id[best.decode]
         r.decode = decode
-        if not (self.options.late_reservation and n - best.prefill_cached_blocks * self.bs > self.horizon):
-            decode.reserve(r)
-        self.start_prefill(r, self.by_id[best.prefill], best.prefill_cached_blocks)
+        prefill = self.by_id[best.prefill]
+        if self.options.late_reservation and n - best.prefill_cached_blocks * self.bs > self.horizon:
+            self.start_prefill(r, prefill, best.prefill_cached_blocks)
+            return True
+        # NOTE: the router reserves before it sends the prompt, and the decode worker answers between its steps
+        # (`EngineLoop`): the prefill starts once the step in progress there has ended
+        decode.reserve(r)
+        if decode.step is None:
+            self.start_prefill(r, prefill, best.prefill_cached_blocks)
+            return True
+        tokens = n - best.prefill_cached_blocks * self.bs
+        prefill.inflight_prompt_tokens += tokens
+
+        def arrived() -> None:
+            prefill.inflight_prompt_tokens -= tokens
+            self.start_prefill(r, prefill, best.prefill_cached_blocks)
+
+        self.at(decode.step_ends_at, arrived)
         return True
 
     def reserve_late(self, r: SimRequest) -> bool:
@@ -191,7 +207,8 @@ class Simulation:
             return
         self.computing += 1
         step = w.plan_step(self.slowdown())
-        self.at(self.now + step.duration_s, lambda: self.end_step(w))
+        w.step_ends_at = self.now + step.duration_s
+        self.at(w.step_ends_at, lambda: self.end_step(w))
 
     def worker_cores(self) -> float | None:
         """The cores the workers share, less what the router takes relaying the trace's tokens (on a shared
@@ -209,7 +226,9 @@ class Simulation:
         cores, k = self.cores, self.computing
         if not cores:
             return 1.0
-        return max(1.0, k / cores) * (1 + self.profile.interference * (k - 1))
+        # NOTE: the larger of the two, not their product: with more workers than cores each step already waits
+        # for a core, and the bandwidth it shares is the same; the product overstretched 3-worker layouts
+        return max(1.0, k / cores, 1 + self.profile.interference * (k - 1))
 
     def end_step(self, w: SimWorker) -> None:
         self.computing -= 1

@@ -95,7 +95,9 @@ class SimWorker:
         self.used_blocks = 0
         self.steps = 0
         self.step: Step | None = None  # the step in progress
+        self.step_ends_at = 0.0  # when it ends (the simulation's clock)
         self.joined: list[SimRequest] = []  # the sequences the step in progress decodes for the first time
+        self.inflight_prompt_tokens = 0  # placed here, not arrived yet (the router counts them: `Worker.snapshot`)
         self.last_step_end = 0.0
         self.busy_s = 0.0
 
@@ -103,7 +105,7 @@ class SimWorker:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        return sum(r.remaining_prompt for r in self.prompts)
+        return sum(r.remaining_prompt for r in self.prompts) + self.inflight_prompt_tokens
 
     @property
     def num_decoding(self) -> int:

@@ -3,12 +3,13 @@ ratio follows the workload; the CLI's tables; the profile's fit recovers known c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from control.cli import main as pdserve
-from planner.profile import EngineSettings
+from planner.profile import EngineSettings, Profile
 from planner.profiler import DECODE_OUTPUT, fit_profile, prefill_features
 from planner.results import SLO
 from planner.sizing import size
@@ -68,7 +69,7 @@ def test_the_plan_and_simulate_commands_print_their_tables_and_write_json(tmp_pa
     assert pdserve(["plan", "simulate", "--profile", str(tmp_path / "missing.json")]) == 2
 
 
-def test_the_fit_recovers_the_constants_that_made_the_samples():
+def test_the_fit_recovers_the_constants_that_made_the_samples(tmp_path):
     truth, engine = profile(), EngineSettings()
     p, d = truth.prefill, truth.decode
     prefill = []
@@ -79,9 +80,23 @@ def test_the_fit_recovers_the_constants_that_made_the_samples():
                         "server_prefill_s": seconds, "kv_transfer_s": 0.001})
     decode = [{"batch": b, "prompt_len": n, "gap_p50_s": d.step(b, int(b * (n + DECODE_OUTPUT / 2)))}
               for b, n in ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (2, 768), (8, 768))]
-    fitted = fit_profile({"prefill": prefill, "cached": [], "decode": decode}, engine, 1000, "test", 0.0, None, 2)
+    # a 1,280-token prefill beside a batch decoding for 2 s of it, at a stretch of 0.25: 0.4 s longer
+    gap = 2.0 / (DECODE_OUTPUT - 1)
+    solo = sum(c * f for c, f in zip((p.step_s, p.token_s, 1e-7), prefill_features(1280, 0, 256)))
+    interference = {"batch": 4, "gap_p50_s": gap, "prompt_len": 1280, "prefill_s": [solo + 2.0 * 0.25 / 1.25]}
+    samples = {"prefill": prefill, "cached": [], "decode": decode, "interference": interference}
+    fitted = fit_profile(samples, engine, 1000, "test", 0.0, None, 2)
     assert fitted.prefill.step_s == pytest.approx(p.step_s, rel=1e-6)
     assert fitted.prefill.token_s == pytest.approx(p.token_s, rel=1e-6)
     assert fitted.prefill.attention_s == pytest.approx(1e-7, rel=1e-6)
     assert (fitted.decode.step_s, fitted.decode.seq_s) == pytest.approx((d.step_s, d.seq_s), rel=1e-6)
     assert fitted.router.request_s == pytest.approx(0.004)
+    assert fitted.interference == pytest.approx(0.25, rel=1e-6)
+    # `plan profile --refit` fits the stored samples again and keeps where and when they were taken
+    old = dataclasses.replace(fitted, machine={"host": "elsewhere"}, date="2026-01-01T00:00:00Z",
+                              interference=0.06)
+    old.save(tmp_path / "old.json")
+    assert pdserve(["plan", "profile", "--refit", str(tmp_path / "old.json"), "--out", str(tmp_path / "new.json")]) == 0
+    new = Profile.load(tmp_path / "new.json")
+    assert new.interference == pytest.approx(0.25, rel=1e-6) and new.prefill == fitted.prefill
+    assert (new.machine, new.date) == (old.machine, old.date) and "fitted again" in new.source
