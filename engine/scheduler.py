@@ -7,9 +7,9 @@ sequences still come first, but every prompt (prefilling or waiting) then takes 
 priority class, then of its uncomputed tokens, lowered by how many steps it has waited: a short prompt is
 not stuck behind a long one, and the long one takes what is left of each step. All prompts together compute
 at most `prefill_chunk_tokens` per step, which bounds a new prompt's wait for the step in progress
-(Sarathi-Serve's token budget); while a higher priority class has been seen lately, the lower classes' prompts
-compute at most `lower_class_chunk_tokens` per step, so a high-class prompt's wait is that smaller step. A new sequence first takes whatever prefix of its prompt the prefix cache
-holds. When a running sequence needs a block and none is free, the most recently admitted sequence is
+(Sarathi-Serve's token budget); while a higher priority class has been seen lately, the lower classes'
+prompts compute at most `lower_class_chunk_tokens` per step, so a high-class prompt's wait is that smaller
+step. A new sequence first takes whatever prefix of its prompt the prefix cache holds. When a running sequence needs a block and none is free, the most recently admitted sequence is
 preempted: its blocks are freed and it is recomputed from scratch later (vLLM's recompute preemption).
 
 With speculative decoding on, a decoding sequence's chunk also carries the proposer's draft tokens (as
@@ -91,7 +91,6 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         self._arrival_step[request.request_id] = self._step
-        self._class_seen_step[request.params.priority] = self._step
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:

@@ -263,7 +263,7 @@ class PrefillWorker(WorkerBase):
         digest = None
         if job.verify_kv and error is None and transfer is not None:  # before its blocks go
             digest = self.engine.kv_digest(req.request_id, req.num_prompt_tokens,
-                                            job.reservation.num_cached_blocks * self.engine.cache_spec.block_size)
+                                            job.reservation.sent_from(self.engine.cache_spec.block_size))
         # the worker is done with the request either way; its full blocks stay in the prefix cache
         self.engine.finish(req, RequestStatus.FINISHED_ERROR if error else (stop or RequestStatus.FINISHED_LENGTH))
         now = time.time()

@@ -170,6 +170,10 @@ class Reservation:
     num_cached_blocks: int  # leading blocks already held by the decode worker's prefix cache: not sent
     lease_s: float  # the reservation lapses this long after its last renewal (see `DecodeWorker.renew`)
 
+    def sent_from(self, block_size: int) -> int:
+        """The first prompt position a transfer into it sends (and `--verify-kv-moves` compares)."""
+        return self.num_cached_blocks * block_size
+
 
 @dataclass(frozen=True)
 class DestinationWanted:

@@ -158,7 +158,7 @@ class Drains:
                         if not await dst.client.start(new.key, state.generated[-1], timeout):
                             return None
                         if self.config.verify_kv_moves:
-                            n, sent_from = len(new.prompt), new.reservation.num_cached_blocks * self.block_size
+                            n, sent_from = len(new.prompt), new.reservation.sent_from(self.block_size)
                             move = dataclasses.replace(
                                 move, src_digest=await src.client.kv_digest(att.key, n, sent_from, timeout),
                                 dst_digest=await dst.client.kv_digest(new.key, n, sent_from, timeout))

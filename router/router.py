@@ -337,7 +337,7 @@ class Router:
             cause = Cause.KV_TRANSFER if result.kv_failed else Cause.WORKER_ERROR
             raise AttemptFailed(cause, prefill.worker_id, result.error or "prefill failed")
         if result.kv_digest is not None:
-            start = att.reservation.num_cached_blocks * self.block_size if att.reservation is not None else 0
+            start = att.reservation.sent_from(self.block_size) if att.reservation is not None else 0
             await check_transfer(state.id, att, prefill, decode, result.kv_digest, start,
                                  self.config.call_timeout_s, self.kv_checks)
         if first:
