@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import multiprocessing
 import threading
 from typing import Any
 
 from control.admin import PoolAdmin
-from control.config import AutoscaleConfig
+from control.config import AutoscaleConfig, ServeConfig
 from planner.autoscaler import Decision, ScalePolicy, parse_counters
 from planner.profile import Profile
 from planner.sizing import SizingPlan, size
@@ -56,15 +57,26 @@ class LocalPools:
         return f"started {out.started}, retired {out.retired} (drained, KV moved)"
 
 
+def as_deployed(profile: Profile, serve: ServeConfig) -> Profile:
+    """The profile with this deployment's engine settings, where they differ from the ones it was taken
+    with: the simulation schedules steps, and counts KV room, by them (--num-blocks is the decode pool's
+    capacity in streams; left to free memory, the profile's count stands)."""
+    chunk = serve.prefill_chunk_tokens or serve.prefill_max_num_batched_tokens
+    engine = dataclasses.replace(profile.engine, block_size=serve.kv_block_size, prefill_chunk_tokens=chunk,
+                                 max_num_batched_tokens=serve.max_num_batched_tokens, max_num_seqs=serve.max_num_seqs,
+                                 num_blocks=serve.num_blocks or profile.engine.num_blocks)
+    return dataclasses.replace(profile, engine=engine)
+
+
 class Autoscale:
-    def __init__(self, config: AutoscaleConfig, registry: Any, max_pool_size: int) -> None:
+    def __init__(self, config: AutoscaleConfig, registry: Any, serve: ServeConfig) -> None:
         """`registry`: the router's metrics (read for the traffic, and where the planner's gauges go). Reads
         the SLO file and the profile now (ValueError naming the file), so a bad one stops `pdserve serve`
         before any worker starts."""
         self.config = config
         self.slo = load_slo(config.slo_file)
-        self.profile = Profile.load(config.profile)
-        self.policy = ScalePolicy(config.cooldown_s, config.down_after, 1, max_pool_size)
+        self.profile = as_deployed(Profile.load(config.profile), serve)
+        self.policy = ScalePolicy(config.cooldown_s, config.down_after, 1, serve.max_pool_size)
         self.registry = registry
         self.gauges = WatchGauges(None, registry=registry)
         self._stop = threading.Event()
@@ -86,7 +98,7 @@ class Autoscale:
         def run() -> None:
             try:
                 watch(pools, self._counters, self.profile, self.slo, self.policy, c.interval_s, c.apply, self.gauges,
-                      stop=self._stop, sizer=self._size)
+                      stop=self._stop, sizer=self._size, as_profiled=c.as_profiled)
             except Exception:  # never silently: the deployment serves on, unscaled
                 if not self._stop.is_set():
                     logger.exception("the autoscaler stopped; the pools keep their sizes")

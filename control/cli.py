@@ -171,6 +171,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="intervals in a row asking for fewer workers before a scale-down (default 2)")
     a.add_argument("--autoscale-advise", action="store_true",
                    help="log what should change (and export it as metrics), change nothing")
+    a.add_argument("--autoscale-as-profiled", action="store_true",
+                   help="size for the machine the profile was taken on, whose workers share its cores (as "
+                        "`pdserve plan size --as-profiled`; --max-pool-size at most 6); default: a device a worker")
 
 
 def _autoscale(args: argparse.Namespace):
@@ -183,7 +186,8 @@ def _autoscale(args: argparse.Namespace):
     from control.config import AutoscaleConfig
 
     return AutoscaleConfig(args.autoscale, args.autoscale_profile, args.autoscale_interval, args.autoscale_cooldown,
-                           args.autoscale_down_after, apply=not args.autoscale_advise)
+                           args.autoscale_down_after, apply=not args.autoscale_advise,
+                           as_profiled=args.autoscale_as_profiled)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -37,6 +37,8 @@ class AutoscaleConfig:
     cooldown_s: float = 60.0
     down_after: int = 2  # intervals in a row asking for fewer workers before a scale-down
     apply: bool = True  # False: advise only (logged, and the planner's gauges), change nothing
+    # size for the machine the profile was taken on (its workers share its cores), not a device a worker
+    as_profiled: bool = False
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.cooldown_s < 0 or self.down_after < 1:
@@ -144,6 +146,10 @@ class ServeConfig:
                 raise ValueError("--autoscale sizes the prefill and decode pools; it cannot size colocated workers")
             if self.metrics_port is None:
                 raise ValueError("--autoscale reads the router's own metrics: it needs --metrics-port (not off)")
+            if self.autoscale.as_profiled:
+                from planner.sizing import check_as_profiled
+
+                check_as_profiled(self.max_pool_size)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together: pass both, or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

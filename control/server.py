@@ -94,7 +94,7 @@ class Server:
             from control.autoscale import Autoscale
 
             try:
-                self.autoscaler = Autoscale(c.autoscale, self.metrics.registry, c.max_pool_size)
+                self.autoscaler = Autoscale(c.autoscale, self.metrics.registry, c)
             except ValueError as e:
                 raise ServeError(f"--autoscale: {e}") from e
         tls = await self._open_doors(tokenizer, limits)

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_args(p)
     p.add_argument("--max-pool-size", type=int, default=64, help="the most workers a pool may have")
     p.add_argument("--no-colocated", action="store_true", help="search disaggregated layouts only")
+    p.add_argument("--as-profiled", action="store_true",
+                   help="size for the machine the profile was taken on: its workers share its cores (every "
+                        "layout up to --max-pool-size, at most 6, is simulated); default: a device a worker")
     p = sub.add_parser("watch", help="autoscale: read live rates, forecast, re-plan, advise or scale (--apply)")
     p.add_argument("--server", default="127.0.0.1:50051", help="the deployment's gRPC address (Admin API)")
     p.add_argument("--metrics", default="http://127.0.0.1:9400/metrics", help="the router's /metrics URL")
@@ -84,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--apply", action="store_true", help="scale through the Admin API (default: advise only)")
     p.add_argument("--port", type=int, default=None, help="serve the watcher's own gauges on this port")
     p.add_argument("--rounds", type=int, default=None, help="stop after this many intervals")
+    p.add_argument("--as-profiled", action="store_true",
+                   help="size for the machine the profile was taken on (as `plan size --as-profiled`)")
     from router.security import add_client_args
 
     add_client_args(p)
@@ -98,10 +103,15 @@ def _watch(args: argparse.Namespace) -> int:
     from router.security import client_security
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from planner.sizing import check_as_profiled
+
     policy = ScalePolicy(args.cooldown, args.down_after, 1, args.max_pool_size)
+    if args.as_profiled:
+        check_as_profiled(args.max_pool_size)
     with contextlib.suppress(KeyboardInterrupt):
         watch(PoolsClient(args.server, client_security(args)), lambda: scrape(args.metrics), Profile.load(args.profile),
-              load_slo(args.slo_file), policy, args.interval, args.apply, WatchGauges(args.port), args.rounds)
+              load_slo(args.slo_file), policy, args.interval, args.apply, WatchGauges(args.port), args.rounds,
+              as_profiled=args.as_profiled)
     return 0
 
 
@@ -183,7 +193,7 @@ def _size(args: argparse.Namespace) -> int:
     trace = load_trace(args.workload, args.rate, args.num_requests, args.seed)
     t0 = time.monotonic()
     plan = size(profile, trace, slo, max_pool_size=args.max_pool_size, colocated=not args.no_colocated,
-                late_reservation=not args.no_late_reservation)
+                late_reservation=not args.no_late_reservation, as_profiled=args.as_profiled)
     print(format_plan(plan, slo))
     print(f"({len(plan.searched)} layouts simulated in {time.monotonic() - t0:.1f} s)")
     if args.json:

@@ -13,6 +13,10 @@ pool sets TTFT and the decode pool sets ITL:
    to the one with the higher attainment).
 Attainment is assumed to grow with each pool; the table shows every layout simulated. Every worker is
 taken to have a device of its own (a profile's `shared_cores` is dropped).
+
+`as_profiled=True` (`pdserve plan size --as-profiled`) sizes for the machine the profile was taken on
+instead: its workers share its cores and slow each other down, so attainment no longer grows with each pool
+(a third worker on two cores can lose), and the search simulates every layout up to the pool cap.
 """
 
 from __future__ import annotations
@@ -118,8 +122,13 @@ def first_guess(profile: Profile, trace: Trace, slo: SLO) -> tuple[int, int]:
     return max(1, p), max(1, math.ceil(decoding / batch))
 
 
+MAX_AS_PROFILED_POOL = 6  # as profiled, every layout is simulated: 36 disaggregated and 12 colocated
+
+
 def size(profile: Profile, trace: Trace, slo: SLO, max_pool_size: int = 64, colocated: bool = True,
-         late_reservation: bool = True) -> SizingPlan:
+         late_reservation: bool = True, as_profiled: bool = False) -> SizingPlan:
+    if as_profiled:
+        return _size_every_layout(Search(profile, trace, slo, late_reservation), max_pool_size, colocated)
     # NOTE: a fleet gives every worker a device of its own: a CPU profile's shared cores would make each
     # added worker slow the others down, which is this test machine, not a deployment
     profile = dataclasses.replace(profile, shared_cores=None, interference=0.0)
@@ -141,7 +150,27 @@ def size(profile: Profile, trace: Trace, slo: SLO, max_pool_size: int = 64, colo
         c = _fewest(lambda n: search.run(c=n).meets(slo), min(2 * max_pool_size, 2 * max(p_hi + d_hi, 1)))
         if c is not None:
             options += [search.run(c=c)] + ([search.run(c=c - 1)] if c > 1 else [])
-    meeting = [o for o in options if o.meets(slo)]
+    return _plan(search, options)
+
+
+def _size_every_layout(search: Search, max_pool_size: int, colocated: bool) -> SizingPlan:
+    """As profiled: workers that share cores make attainment non-monotonic in each pool, so no bisection."""
+    check_as_profiled(max_pool_size)
+    options = [search.run(p, d) for p in range(1, max_pool_size + 1) for d in range(1, max_pool_size + 1)]
+    if colocated:
+        options += [search.run(c=c) for c in range(1, 2 * max_pool_size + 1)]
+    return _plan(search, options)
+
+
+def check_as_profiled(max_pool_size: int) -> None:
+    if max_pool_size > MAX_AS_PROFILED_POOL:
+        raise ValueError(f"sizing as profiled (--as-profiled, --autoscale-as-profiled) simulates every layout, so "
+                         f"--max-pool-size must be at most {MAX_AS_PROFILED_POOL}, got {max_pool_size} (size a fleet "
+                         f"without it)")
+
+
+def _plan(search: Search, options: list[Candidate]) -> SizingPlan:
+    meeting = [o for o in options if o.meets(search.slo)]
     best = min(meeting, key=lambda o: (o.workers, -o.attainment, o.layout.label)) if meeting else None
     return SizingPlan(best, sorted(search.done.values(), key=lambda o: (o.workers, o.layout.label)))
 

@@ -134,10 +134,12 @@ class PoolsClient:
 
 def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Profile, slo: SLO,
           policy: ScalePolicy, interval_s: float, apply: bool, gauges: WatchGauges, rounds: int | None = None,
-          stop: threading.Event | None = None, sizer: Callable[..., SizingPlan] = size) -> None:
+          stop: threading.Event | None = None, sizer: Callable[..., SizingPlan] = size,
+          as_profiled: bool = False) -> None:
     """The loop: `rounds` intervals (None: until interrupted, or until `stop` is set). `counters()`: the
     router's counters now (`scrape(url)` over HTTP); `sizer`: `size`, or the same run elsewhere (the serve
-    process runs it in a child process, off the router's event loop)."""
+    process runs it in a child process, off the router's event loop); `as_profiled`: size for the profile's
+    machine (`size(as_profiled=True)`)."""
     forecaster, scaler = Forecaster(), Autoscaler(policy)
     stop = stop or threading.Event()
     before, t_before = counters(), time.monotonic()
@@ -166,7 +168,7 @@ def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Pr
             continue
         if traffic.rate > 0 and rate > 0:
             plan = sizer(profile, synthetic_trace(traffic, rate), slo, max_pool_size=policy.max_pool_size,
-                         colocated=False)
+                         colocated=False, as_profiled=as_profiled)
         wanted: dict[str, int] = {}
         if rate == 0:  # no traffic: the smallest pools
             wanted = {"prefill": policy.min_pool_size, "decode": policy.min_pool_size}

@@ -100,6 +100,8 @@ def test_the_watcher_sizes_on_a_trace_shaped_like_the_interval_and_reads_its_slo
       "0", "--decode-workers", "0"], "colocated"),
     (["--autoscale", "slo.json", "--autoscale-profile", "p.json", "--autoscale-interval", "0"],
      "--autoscale-interval"),
+    (["--autoscale", "slo.json", "--autoscale-profile", "p.json", "--autoscale-as-profiled"],
+     "--max-pool-size must be at most 6, got 64"),
 ])
 def test_serve_s_autoscale_flags_are_checked_naming_the_flag(argv, words):
     from control.cli import build_parser, serve_config
@@ -115,3 +117,19 @@ def test_serve_s_autoscale_flags_make_its_config():
                                                       "p.json", "--autoscale-interval", "5", "--autoscale-advise"]))
     assert config.autoscale is not None and config.autoscale.interval_s == 5 and not config.autoscale.apply
     assert serve_config(build_parser().parse_args(["serve"])).autoscale is None
+
+
+def test_the_serve_process_sizes_with_its_own_engine_settings(tmp_path):
+    from control.autoscale import as_deployed
+    from control.cli import build_parser, serve_config
+    from tests.planner.test_simulator import profile
+
+    args = ["serve", "--num-blocks", "96", "--block-size", "32", "--prefill-chunk-tokens", "128",
+            "--autoscale", "slo.json", "--autoscale-profile", "p.json", "--autoscale-as-profiled",
+            "--max-pool-size", "2"]
+    config = serve_config(build_parser().parse_args(args))
+    assert config.autoscale is not None and config.autoscale.as_profiled
+    engine = as_deployed(profile(), config).engine
+    assert (engine.num_blocks, engine.block_size, engine.prefill_chunk_tokens) == (96, 32, 128)
+    # KV left to free memory: the profile's count stands
+    assert as_deployed(profile(), serve_config(build_parser().parse_args(["serve"]))).engine.num_blocks == 4096

@@ -52,6 +52,21 @@ def test_long_prompts_need_more_prefill_workers_and_long_outputs_more_decode_wor
     assert ratio(prompts) > 1 > ratio(outputs)
 
 
+def test_as_profiled_two_shared_cores_meet_less_than_a_device_a_worker_and_every_layout_is_searched():
+    slo = SLO(ttft_s=1.0, itl_s=0.05)
+    shared = profile(shared_cores=2, interference=0.2)
+    fleet = size(shared, shaped(512, 64, rate=2.0), slo, max_pool_size=4)
+    assert fleet.best is not None  # a device a worker: three workers meet it ...
+    here = size(shared, shaped(512, 64, rate=2.0), slo, max_pool_size=4, as_profiled=True)
+    done = {c.layout.label: c for c in here.searched}
+    assert here.best is None and done[fleet.best.layout.label].attainment < slo.target  # ... not on two cores
+    assert len(done) == 4 * 4 + 8  # every (P, D) up to the cap, and colocated up to twice it
+    light = size(shared, shaped(512, 64, rate=1.0), slo, max_pool_size=4, as_profiled=True)
+    assert light.best is not None and all(not c.meets(slo) for c in light.searched if c.workers < light.best.workers)
+    with pytest.raises(ValueError, match="--max-pool-size must be at most 6, got 16"):
+        size(shared, shaped(512, 64, rate=1.0), slo, max_pool_size=16, as_profiled=True)
+
+
 def test_the_plan_and_simulate_commands_print_their_tables_and_write_json(tmp_path, capsys):
     path = tmp_path / "p.json"
     profile().save(path)
