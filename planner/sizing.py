@@ -51,6 +51,9 @@ class Candidate:
         return self.attainment >= slo.target
 
 
+CLOSE = 0.05  # past every cap, attainments this near the best count as equal: the fewer workers win
+
+
 @dataclass
 class SizingPlan:
     """The search's answer and everything it simulated."""
@@ -61,10 +64,13 @@ class SizingPlan:
     @property
     def closest(self) -> Candidate | None:
         """The pick; or, where no layout searched meets the target (a load past what the pool caps can take),
-        the one that comes closest: the most attainment, then the fewest workers."""
+        the one that comes closest: the fewest workers within `CLOSE` of the most attainment, then the most.
+        (A strict "most attainment" made a live autoscaler add and drain a worker over 82% against 77%,
+        a difference one request of a 20-request trace makes.)"""
         if self.best is not None or not self.searched:
             return self.best
-        return max(self.searched, key=lambda c: (c.attainment, -c.workers))
+        top = max(c.attainment for c in self.searched)
+        return min((c for c in self.searched if c.attainment >= top - CLOSE), key=lambda c: (c.workers, -c.attainment))
 
     def to_dict(self, slo: SLO) -> dict:
         return {"best": self.best.layout.label if self.best else None,

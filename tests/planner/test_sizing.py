@@ -8,11 +8,12 @@ import json
 
 import pytest
 
+from benchmarks.serving.launch import Layout
 from control.cli import main as pdserve
 from planner.profile import EngineSettings, Profile
 from planner.profiler import DECODE_OUTPUT, fit_profile, prefill_features
 from planner.results import SLO
-from planner.sizing import size
+from planner.sizing import SizingPlan, size
 from planner.trace import Trace, TraceRequest
 from tests.planner.test_simulator import profile
 
@@ -41,6 +42,14 @@ def test_past_every_pool_cap_the_closest_layout_is_the_largest_and_under_it_the_
     assert capped.closest.layout.label == "2p2d"  # ... and the most capacity comes closest
     roomy = size(profile(), shaped(512, 64, rate=6.0), slo, max_pool_size=16, colocated=False)
     assert roomy.closest is roomy.best is not None
+
+
+def test_past_every_cap_a_layout_within_five_points_of_the_closest_with_fewer_workers_is_taken():
+    slo = SLO(ttft_s=1.0, itl_s=0.05)
+    some = size(profile(), shaped(512, 64, rate=6.0), slo, max_pool_size=2, colocated=False).searched[0]
+    at = lambda label, a: dataclasses.replace(some, layout=Layout.parse(label), attainment=a)
+    assert SizingPlan(None, [at("1p2d", 0.77), at("2p2d", 0.82)]).closest.layout.label == "1p2d"
+    assert SizingPlan(None, [at("1p2d", 0.70), at("2p2d", 0.82)]).closest.layout.label == "2p2d"
 
 
 def test_long_prompts_need_more_prefill_workers_and_long_outputs_more_decode_workers():
