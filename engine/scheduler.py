@@ -9,8 +9,9 @@ not stuck behind a long one, and the long one takes what is left of each step. A
 at most `prefill_chunk_tokens` per step, which bounds a new prompt's wait for the step in progress
 (Sarathi-Serve's token budget); while a higher priority class has been seen lately, the lower classes'
 prompts compute at most `lower_class_chunk_tokens` per step, so a high-class prompt's wait is that smaller
-step. A new sequence first takes whatever prefix of its prompt the prefix cache holds. When a running sequence needs a block and none is free, the most recently admitted sequence is
-preempted: its blocks are freed and it is recomputed from scratch later (vLLM's recompute preemption).
+step. A new sequence first takes whatever prefix of its prompt the prefix cache holds. When a running
+sequence needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
+freed and it is recomputed from scratch later (vLLM's recompute preemption).
 
 With speculative decoding on, a decoding sequence's chunk also carries the proposer's draft tokens (as
 many as k, its share of the step's draft cap, the budget, its max_tokens and the context allow); `update`

@@ -99,12 +99,11 @@ def _watch(args: argparse.Namespace) -> int:
     import logging
 
     from planner.autoscaler import ScalePolicy
+    from planner.sizing import check_as_profiled
     from planner.watch import PoolsClient, WatchGauges, load_slo, scrape, watch
     from router.security import client_security
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from planner.sizing import check_as_profiled
-
     policy = ScalePolicy(args.cooldown, args.down_after, 1, args.max_pool_size)
     if args.as_profiled:
         check_as_profiled(args.max_pool_size)
