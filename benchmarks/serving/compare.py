@@ -5,7 +5,9 @@ from minute to minute (another user's test run takes a whole core for a while, t
 B, and the comparison measures the neighbours as much as the layouts. So every server stays up for the
 whole bench and each workload's requests are split into `rounds` consecutive slices, offered to the
 servers in ABBA order (A B, then B A, ...): each layout gets the same requests and, on average, the same
-machine. An idle server costs memory but no CPU to speak of (its engine loops sleep). The goodput searches
+machine. An idle server is not free on 2 cores: 3 idle workers slowed a measured 1c's decode steps by 7%
+(2026-12-05, docs/planner.md), the same for every layout in one bench, but a run compared with a simulation
+of that layout alone should launch it alone. The goodput searches
 alternate the same way, one probe per server at a time. Each round's CPU use (ours and everyone else's)
 is measured and reported, so what noise remains is visible.
 """
