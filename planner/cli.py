@@ -38,6 +38,9 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo", type=float, default=1.0, help="seconds (default 1)")
     p.add_argument("--itl-slo", type=float, default=0.1, help="seconds, on each request's mean gap (default 0.1)")
     p.add_argument("--slo-target", type=float, default=0.9, help="share of requests meeting both (default 0.9)")
+    p.add_argument("--slo-margin", type=float, default=0.0,
+                   help="size against both bounds less this share (0.15: 15%% tighter), headroom for a machine "
+                        "whose speed drifts between runs (default 0)")
     p.add_argument("--no-late-reservation", action="store_true", help="as pdserve serve's flag")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
 
@@ -126,7 +129,7 @@ def load_profile(args: argparse.Namespace) -> Profile:
 
 
 def slo_of(args: argparse.Namespace) -> SLO:
-    return SLO(args.ttft_slo, args.itl_slo, args.slo_target)
+    return SLO(args.ttft_slo, args.itl_slo, args.slo_target).with_margin(args.slo_margin)
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -36,9 +36,11 @@ MIN_TRACE_S, MAX_TRACE_REQUESTS = 60.0, 2000
 def load_slo(path: str) -> SLO:
     try:
         d = json.loads(Path(path).read_text())
-        return SLO(float(d["ttft_s"]), float(d["itl_s"]), float(d.get("target", 0.9)))
+        slo = SLO(float(d["ttft_s"]), float(d["itl_s"]), float(d.get("target", 0.9)))
+        return slo.with_margin(float(d.get("margin", 0.0)))
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: expected {{\"ttft_s\": S, \"itl_s\": S[, \"target\": 0.9]}}: {e}") from e
+        raise ValueError(f"{path}: expected {{\"ttft_s\": S, \"itl_s\": S[, \"target\": 0.9, \"margin\": 0]}}: "
+                         f"{e}") from e
 
 
 def synthetic_trace(traffic: Traffic, rate: float, seed: int = 0) -> Trace:

@@ -87,6 +87,8 @@ def test_the_watcher_sizes_on_a_trace_shaped_like_the_interval_and_reads_its_slo
     path = tmp_path / "slo.json"
     path.write_text('{"ttft_s": 2, "itl_s": 0.1}')
     assert (load_slo(str(path)).ttft_s, load_slo(str(path)).target) == (2.0, 0.9)
+    path.write_text('{"ttft_s": 2, "itl_s": 0.1, "margin": 0.25}')
+    assert (load_slo(str(path)).ttft_s, load_slo(str(path)).itl_s) == pytest.approx((1.5, 0.075))
     path.write_text('{"ttft": 2}')
     with pytest.raises(ValueError, match="ttft_s"):
         load_slo(str(path))

@@ -124,3 +124,21 @@ def test_the_fit_recovers_the_constants_that_made_the_samples(tmp_path):
     new = Profile.load(tmp_path / "new.json")
     assert new.interference == pytest.approx(0.25, rel=1e-6) and new.prefill == fitted.prefill
     assert (new.machine, new.date) == (old.machine, old.date) and "fitted again" in new.source
+
+
+def test_a_margin_sizes_against_tighter_bounds_and_buys_headroom(tmp_path, capsys):
+    # a layout that just meets the bounds as given stops meeting them 15% tighter, so the pick grows
+    trace, slo = shaped(512, 64, rate=6.0), SLO(ttft_s=1.0, itl_s=0.05)
+    plain = size(profile(), trace, slo, max_pool_size=16, colocated=False)
+    tight = slo.with_margin(0.15)
+    assert (tight.ttft_s, tight.itl_s, tight.target) == pytest.approx((0.85, 0.0425, 0.9))
+    padded = size(profile(), trace, tight, max_pool_size=16, colocated=False)
+    assert plain.best is not None and padded.best is not None and padded.best.meets(tight)
+    assert padded.best.layout.num_workers > plain.best.layout.num_workers
+    with pytest.raises(ValueError, match="margin"):
+        slo.with_margin(1.0)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile().to_dict()))
+    assert pdserve(["plan", "size", "--profile", str(path), "--rate", "1", "--num-requests", "5",
+                    "--slo-margin", "-0.1"]) == 2
+    assert "margin must be in [0, 1)" in capsys.readouterr().err
