@@ -102,6 +102,9 @@ class Summary:
     # prefix cache; empty where the server does not say (colocated, the HTTP door)
     placements: dict[str, int] = field(default_factory=dict)
     cache_hit_placements: dict[str, int] = field(default_factory=dict)
+    # [TTFT, mean ITL] of every request sent (None: it failed, or had no gaps), so that attainment under
+    # another SLO can be read back from the JSON without running again
+    per_request: list[tuple[float | None, float | None]] = field(default_factory=list)
 
     @property
     def cached_share(self) -> float:
@@ -134,7 +137,8 @@ def summarize(run: RunResult, slo: SLO) -> Summary:
         slo_attainment=attainment(run.records, slo),
         stages_p50={k: percentile([r.stages[k] for r in done if k in r.stages], 50) for k in STAGES},
         placements=dict(Counter(r.placement for r in done if r.placement)),
-        cache_hit_placements=dict(Counter(r.placement for r in done if r.placement and r.cached_prompt_tokens)))
+        cache_hit_placements=dict(Counter(r.placement for r in done if r.placement and r.cached_prompt_tokens)),
+        per_request=[(r.ttft, r.mean_itl) if r.ok else (None, None) for r in run.records])
 
 
 def ttfts(records: Sequence[RequestRecord]) -> list[float]:

@@ -3,6 +3,7 @@ hand-computed cases."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -76,6 +77,11 @@ def test_summary_of_a_hand_made_run():
     assert s.cached_share == pytest.approx(16 / 96)
     assert s.slo_attainment == 0.5
     assert s.to_dict()["ttft"]["p50"] == pytest.approx(0.5)
+    # every request's TTFT and mean ITL, in sending order, so another SLO's attainment reads back from JSON
+    per_request = json.loads(json.dumps(s.to_dict()))["per_request"]
+    assert per_request == [[0.5, pytest.approx(0.15)], [pytest.approx(0.2), None], [None, None],
+                           [2.0, pytest.approx(0.05)]]
+    assert sum(t is not None and t <= 1.0 and (i is None or i <= 0.14) for t, i in per_request) == 1
 
 
 def step(threshold: float):
