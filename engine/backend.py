@@ -86,14 +86,17 @@ class EngineBackend(ABC):
         aborted). False when it cannot be held (not running, or its KV is gone)."""
         return request_id in self.paused or self.pause(request_id)
 
-    def kv_of(self, request_id: str, num_tokens: int) -> Any:
-        """K and V of a sequence's first `num_tokens` positions, [num_layers, 2, num_tokens, kv_heads,
-        head_dim]; None when it holds no KV for them here."""
+    def kv_of(self, request_id: str, num_tokens: int, start: int = 0) -> Any:
+        """K and V of a sequence's positions `start` to `num_tokens`, [num_layers, 2, num_tokens - start,
+        kv_heads, head_dim], reading only the blocks that hold them; None when it holds no KV for them here."""
         req = self.requests.get(request_id) or self.paused.get(request_id)
         if req is None or req.num_computed_tokens < num_tokens:
             return None
-        blocks = req.block_ids[:-(-num_tokens // self.cache_spec.block_size)]
-        return self.kv_tensor()[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
+        block_size = self.cache_spec.block_size
+        first = start // block_size
+        blocks = req.block_ids[first:-(-num_tokens // block_size)]
+        skip = first * block_size
+        return self.kv_tensor()[:, :, blocks].flatten(2, 3)[:, :, start - skip:num_tokens - skip]
 
     def kv_digest(self, request_id: str, num_tokens: int, start: int = 0) -> str | None:
         """SHA-256 of the bytes of `kv_of(request_id, num_tokens)` from position `start` on: what both ends of
@@ -103,10 +106,10 @@ class EngineBackend(ABC):
         A transfer skips the blocks the destination's prefix cache holds already, so its check starts after
         them: those blocks are the destination's own KV for the same tokens, computed on another path (a decode
         step rather than a prefill chunk, another batch shape) and equal only to rounding."""
-        kv = self.kv_of(request_id, num_tokens)
+        kv = self.kv_of(request_id, num_tokens, start)
         if kv is None:
             return None
-        return hashlib.sha256(kv[:, :, start:].contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
+        return hashlib.sha256(kv.contiguous().cpu().view(-1).view(torch.uint8).numpy()).hexdigest()
 
     def forget_kv(self, request_id: str, start: int) -> bool:
         """Take a sequence's KV from position `start` on out of the prefix cache (its check failed: it differs

@@ -121,14 +121,14 @@ class VllmEngine(EngineBackend):
         self._paused[request_id] = request
         return True
 
-    def kv_of(self, request_id: str, num_tokens: int) -> Any:
+    def kv_of(self, request_id: str, num_tokens: int, start: int = 0) -> Any:
         """By position, so through `vllm_layout.tokens_of`: both caches hold blocks in vLLM's byte order."""
         if self._staging is not None and request_id in self._staging:  # landed, not loaded into vLLM yet
-            return self._staging.tokens(request_id, num_tokens)
+            return self._staging.tokens(request_id, num_tokens, start)
         req = self._requests.get(request_id) or self._paused.get(request_id)
         if req is None or req.num_computed_tokens < num_tokens:
             return None
-        return tokens_of(self.kv_cache.tensor, req.block_ids, num_tokens)
+        return tokens_of(self.kv_cache.tensor, req.block_ids, num_tokens, start)
 
     def enqueue(self, request: Request) -> None:
         extra = {"kv_transfer_params": {"pdserve_send": True}} if request.prefill_only else None

@@ -101,8 +101,12 @@ def from_pdserve(kv: torch.Tensor) -> torch.Tensor:
     return torch.stack((keys, kv[:, 1]), dim=1)
 
 
-def tokens_of(blocks: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
-    """K and V of a sequence's first `num_tokens` positions, [layers, 2, num_tokens, kv_heads, head_dim], from
-    its blocks in a cache whose bytes are in vLLM's order (`VllmCpuLayout.blocks.tensor` or a staging cache)."""
-    ids = list(block_ids[:cdiv(num_tokens, blocks.shape[3])])
-    return to_pdserve(blocks[:, :, ids]).flatten(2, 3)[:, :, :num_tokens]
+def tokens_of(blocks: torch.Tensor, block_ids: Sequence[int], num_tokens: int, start: int = 0) -> torch.Tensor:
+    """K and V of a sequence's positions `start` to `num_tokens`, [layers, 2, num_tokens - start, kv_heads,
+    head_dim], from its blocks in a cache whose bytes are in vLLM's order (`VllmCpuLayout.blocks.tensor` or a
+    staging cache); only the blocks holding those positions are read."""
+    block_size = blocks.shape[3]
+    first = start // block_size
+    ids = list(block_ids[first:cdiv(num_tokens, block_size)])
+    skip = first * block_size
+    return to_pdserve(blocks[:, :, ids]).flatten(2, 3)[:, :, start - skip:num_tokens - skip]

@@ -51,10 +51,10 @@ class StagingCache:
         """Give a request's blocks back (a no-op when it holds none)."""
         self._free.extend(self._staged.pop(request_id, ()))
 
-    def tokens(self, request_id: str, num_tokens: int) -> torch.Tensor | None:
-        """K and V of the request's first `num_tokens` positions as landed here, pdserve's layout."""
+    def tokens(self, request_id: str, num_tokens: int, start: int = 0) -> torch.Tensor | None:
+        """K and V of the request's positions `start` to `num_tokens` as landed here, pdserve's layout."""
         staged = self._staged.get(request_id)
-        return None if staged is None else tokens_of(self.cache.tensor, staged, num_tokens)
+        return None if staged is None else tokens_of(self.cache.tensor, staged, num_tokens, start)
 
     def load_into(self, request_id: str, first_block: int, dst: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copy the request's staged blocks from prompt block `first_block` on into `block_ids` of `dst` (vLLM's

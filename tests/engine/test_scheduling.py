@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -359,3 +361,18 @@ def test_fifo_order_admits_a_higher_priority_class_first_and_by_arrival_within_a
         admitted += [c.request for c in out.chunks if c.start == 0]
         engine.scheduler.update(out, [[0] for _ in out.chunks])
     assert admitted == [high, first, second]  # the class outranks arrival; within a class, arrival order
+
+
+def test_kv_read_from_a_position_on_reads_only_the_blocks_holding_it_and_matches_the_whole_read():
+    engine = make_engine()
+    req = engine.add_request(LONG[:70], greedy(40, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    rid = req.request_id
+    whole = engine.kv_of(rid, 70)
+    for start in (0, 5, 16, 37, 64, 69):  # inside the first block, on a boundary, across, in the last
+        part = engine.kv_of(rid, 70, start)
+        assert part.shape[2] == 70 - start and torch.equal(part, whole[:, :, start:])
+    assert engine.kv_digest(rid, 70, 37) == hashlib.sha256(
+        whole[:, :, 37:].contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+    assert engine.kv_of(rid, 10_000) is None and engine.kv_of("nobody", 1) is None
