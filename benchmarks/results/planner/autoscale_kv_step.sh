@@ -7,11 +7,13 @@
 # deployment's engine settings (its blocks) and scales through its own pools, draining with KV moves.
 #   run 1 (2026-12-05 15:15): NUM_BLOCKS=128 LOW=0.1 HIGH=0.35 INTERVAL=10
 #   run 2: the defaults
+#   run 3 (2026-12-06): PROFILE=benchmarks/results/planner/plan-right-2026-12-06/profile-smollm2-cpu.json
+#     MARGIN=0.15 HIGH=0.3 (the SLO file's "margin": size against both bounds less 15%)
 cd "$(dirname "$0")/../../.."
 OUT=${1:-benchmarks/results/planner/autoscale-kv-step}; mkdir -p "$OUT"
 P=${PROFILE:-benchmarks/results/planner/2026-12-05-eve/profile-smollm2-cpu.json}
 NUM_BLOCKS=${NUM_BLOCKS:-192}; LOW=${LOW:-0.1}; HIGH=${HIGH:-0.45}; INTERVAL=${INTERVAL:-15}
-echo '{"ttft_s": 1.5, "itl_s": 0.12, "target": 0.9}' > $OUT/slo.json
+echo "{\"ttft_s\": 1.5, \"itl_s\": 0.12, \"target\": 0.9, \"margin\": ${MARGIN:-0}}" > $OUT/slo.json
 # NOTE: half a Ray CPU slot a worker: the cluster serve starts has a slot a core (2), and a third and fourth
 # worker would wait for one forever
 pdserve serve --prefill-workers 1 --decode-workers 1 --port 50391 --metrics-port 9491 --http-port 0 \
