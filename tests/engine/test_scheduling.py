@@ -363,7 +363,7 @@ def test_fifo_order_admits_a_higher_priority_class_first_and_by_arrival_within_a
     assert admitted == [high, first, second]  # the class outranks arrival; within a class, arrival order
 
 
-def test_kv_read_from_a_position_on_reads_only_the_blocks_holding_it_and_matches_the_whole_read():
+def test_kv_read_from_a_position_on_equals_the_whole_read_sliced_there_and_so_does_its_digest():
     engine = make_engine()
     req = engine.add_request(LONG[:70], greedy(40, ignore_eos=True))
     for _ in range(10):

@@ -54,7 +54,7 @@ def test_tokens_read_back_as_vllms_kernel_wrote_them(isa, dtype):
     staging = torch.zeros(L, 2, 4, BS, H, D, dtype=dtype)
     staging[:, :, [2, 0]] = layout.blocks.tensor[:, :, table]
     assert torch.equal(tokens_of(staging, [2, 0], n), got)
-    for start in (1, BS, BS + 1, n - 1):  # from a position on: only the blocks holding it are read
+    for start in (1, BS, BS + 1, n - 1):  # from a position on (within the first block, on its end, past it)
         assert torch.equal(tokens_of(layout.blocks.tensor, table, n, start), got[:, :, start:])
 
 
