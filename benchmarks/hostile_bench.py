@@ -37,6 +37,7 @@ import urllib.request
 import grpc
 
 from benchmarks.output import emit
+from benchmarks.serving.client import RequestRecord
 from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
 from benchmarks.serving.stats import percentile
 from protos.pdserve.v1 import generation_pb2 as pb
@@ -44,7 +45,8 @@ from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
 
 def request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    req = pb.GenerateRequest(sampling=sampling)
     req.prompt_token_ids.ids.extend(prompt)
     return req
 
@@ -62,18 +64,13 @@ class Bench:
         return [self.rng.randrange(100, self.vocab) for _ in range(n)]
 
     def victim(self, started: threading.Event | None = None) -> list[float]:
-        """The polite stream's gaps between tokens (seconds; a message of n tokens is n equal gaps, as
-        `pdserve bench` counts them)."""
-        gaps: list[float] = []
-        last = None
+        """The polite stream's gaps between tokens (seconds), counted as `pdserve bench` counts them."""
+        record = RequestRecord(0, "victim", 32, self.args.stream_tokens)
         for res in self.stub.Generate(request(self.prompt(32), self.args.stream_tokens), timeout=300):
-            now, n = time.monotonic(), len(res.token_ids)
-            if last is not None and n:
-                gaps += [(now - last) / n] * n
-            last = now
-            if started is not None and len(gaps) >= 3:
+            record.on_message(time.perf_counter(), len(res.token_ids))
+            if started is not None and len(record.itls) >= 3:
                 started.set()
-        return gaps
+        return record.itls
 
     def used_blocks(self) -> int:
         import ray
@@ -158,8 +155,8 @@ class Bench:
         ch = grpc.insecure_channel(self.dep.address, options=[("grpc.http2.bdp_probe", 0),
                                                               ("grpc.http2.lookahead_bytes", 1024)])
         stub = pb_grpc.GenerationStub(ch)
-        calls = [stub.Generate(request(self.prompt(self.args.stalled_prompt), self.args.stalled_max_tokens), timeout=600)
-                 for _ in range(self.args.stalled)]
+        calls = [stub.Generate(request(self.prompt(self.args.stalled_prompt), self.args.stalled_max_tokens),
+                               timeout=600) for _ in range(self.args.stalled)]
         for c in calls:
             next(c)  # its first token came; then nobody reads
         t0 = time.monotonic()
@@ -194,8 +191,8 @@ def run(bench: Bench, args: argparse.Namespace) -> dict:
             gaps[name] += g
             found[name].append(f)
         bench.wait_blocks_back(60)
-    out: dict = {"baseline": {"itl_p50_ms": percentile(base, 50) * 1e3, "itl_p99_ms": percentile(base, 99) * 1e3,
-                              "gaps": len(base)}}
+    out: dict = {"baseline": {"itl_p50_ms": percentile(base, 50) * 1e3,
+                              "itl_p99_ms": percentile(base, 99) * 1e3, "gaps": len(base)}}
     for name in attacks:
         out[name] = {**ratios(base, gaps[name]), "rounds": found[name]}
     return out
@@ -203,12 +200,12 @@ def run(bench: Bench, args: argparse.Namespace) -> dict:
 
 def _text(summary: dict) -> str:
     b = summary["baseline"]
-    lines = [f"{summary['model']} {summary['layout']}: the victim stream alone, ITL p50 {b['itl_p50_ms']:.0f} ms, "
-             f"p99 {b['itl_p99_ms']:.0f} ms ({b['gaps']} gaps)"]
+    lines = [f"{summary['model']} {summary['layout']}: the victim stream alone, "
+             f"ITL p50 {b['itl_p50_ms']:.0f} ms, p99 {b['itl_p99_ms']:.0f} ms ({b['gaps']} gaps)"]
     for name in ("huge", "slowloris", "stalled"):
         r = summary[name]
-        lines.append(f"  beside {name:9s}: p50 {r['p50_over_baseline']:.2f}x  p99 {r['p99_over_baseline']:.2f}x  "
-                     + "; ".join(json.dumps(f) for f in r["rounds"]))
+        lines.append(f"  beside {name:9s}: p50 {r['p50_over_baseline']:.2f}x  "
+                     f"p99 {r['p99_over_baseline']:.2f}x  " + "; ".join(json.dumps(f) for f in r["rounds"]))
     return "\n".join(lines)
 
 

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.slow
 def test_hostile_bench_reports_each_attack_and_what_the_server_freed(ray_cluster, tmp_path):
     out = tmp_path / "hostile.json"
     assert main(["--model", "tiny-random", "--rounds", "1", "--stream-tokens", "48", "--slowloris", "100",
-                 "--huge-chars", "100000", "--stalled", "2", "--stalled-prompt", "200", "--stalled-max-tokens", "700",
-                 "--stall-timeout", "2",
-                 "--header-timeout", "1", "--out", str(out)]) == 0
+                 "--huge-chars", "100000", "--stalled", "2", "--stalled-prompt", "200",
+                 "--stalled-max-tokens", "700", "--stall-timeout", "2", "--header-timeout", "1",
+                 "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["baseline"]["gaps"] == 47
     (huge,), (loris,), (stalled,) = (summary[k]["rounds"] for k in ("huge", "slowloris", "stalled"))
