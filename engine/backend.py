@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_cache import read_positions
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from protocol.messages import EngineLoad, LoadReport, StepStats
@@ -92,11 +93,7 @@ class EngineBackend(ABC):
         req = self.requests.get(request_id) or self.paused.get(request_id)
         if req is None or req.num_computed_tokens < num_tokens:
             return None
-        block_size = self.cache_spec.block_size
-        first = start // block_size
-        blocks = req.block_ids[first:-(-num_tokens // block_size)]
-        skip = first * block_size
-        return self.kv_tensor()[:, :, blocks].flatten(2, 3)[:, :, start - skip:num_tokens - skip]
+        return read_positions(self.kv_tensor(), req.block_ids, num_tokens, start)
 
     def kv_digest(self, request_id: str, num_tokens: int, start: int = 0) -> str | None:
         """SHA-256 of the bytes of `kv_of(request_id, num_tokens)` from position `start` on: what both ends of

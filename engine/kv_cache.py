@@ -7,9 +7,12 @@ contiguous [block_size, num_kv_heads, head_dim] slab, which is what the KV-trans
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from engine.config import cdiv
 
 
 @dataclass(frozen=True)
@@ -64,3 +67,17 @@ class KVCache:
     @staticmethod
     def num_blocks_for_memory(spec: KVCacheSpec, num_bytes: int) -> int:
         return max(1, num_bytes // spec.bytes_per_block)
+
+
+def read_positions(blocks: torch.Tensor, block_ids: Sequence[int], num_tokens: int, start: int = 0,
+                   convert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """K and V of a sequence's positions `start` to `num_tokens`, [layers, 2, num_tokens - start, kv_heads,
+    head_dim], from its `block_ids` in `blocks` ([layers, 2, num_blocks, block_size, kv_heads, head_dim]);
+    only the blocks holding those positions are read, then `convert`ed (a layout's byte order) if given."""
+    block_size = blocks.shape[3]
+    first = start // block_size
+    gathered = blocks[:, :, list(block_ids[first:cdiv(num_tokens, block_size)])]
+    if convert is not None:
+        gathered = convert(gathered)
+    skip = first * block_size
+    return gathered.flatten(2, 3)[:, :, start - skip:num_tokens - skip]

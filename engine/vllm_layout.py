@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.config import cdiv
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import KVCache, KVCacheSpec, read_positions
 
 # the CPU kernels whose block interiors this module maps (keys [head_dim, block_size], values [block_size, head_dim])
 SUPPORTED_ISAS = ("vec", "vec16")
@@ -105,8 +104,4 @@ def tokens_of(blocks: torch.Tensor, block_ids: Sequence[int], num_tokens: int, s
     """K and V of a sequence's positions `start` to `num_tokens`, [layers, 2, num_tokens - start, kv_heads,
     head_dim], from its blocks in a cache whose bytes are in vLLM's order (`VllmCpuLayout.blocks.tensor` or a
     staging cache); only the blocks holding those positions are read."""
-    block_size = blocks.shape[3]
-    first = start // block_size
-    ids = list(block_ids[first:cdiv(num_tokens, block_size)])
-    skip = first * block_size
-    return to_pdserve(blocks[:, :, ids]).flatten(2, 3)[:, :, start - skip:num_tokens - skip]
+    return read_positions(blocks, block_ids, num_tokens, start, to_pdserve)
