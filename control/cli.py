@@ -134,6 +134,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                           "(default 30)")
     sec.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="close an HTTP connection whose request head has not arrived in this long (default 10)")
+    sec.add_argument("--http-max-connections-per-client", type=int, default=256, metavar="N",
+                     help="reset HTTP connections past N open from one client address (default 256; 0: no "
+                          "cap; raise it behind a proxy that sends every client from one address)")
     p.add_argument("--metrics-port", type=_metrics_port, default=9400,
                    help="Prometheus /metrics port, bound on --host (default 9400; 0: any free port; "
                         "'off': no endpoint)")
@@ -225,6 +228,7 @@ def serve_config(args: argparse.Namespace):
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, api_key=resolve_api_key(args.api_key),
         api_keys=args.api_keys, stalled_stream_timeout=args.stalled_stream_timeout,
         http_header_timeout=args.http_header_timeout,
+        http_max_connections_per_client=args.http_max_connections_per_client,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,

@@ -110,6 +110,7 @@ class ServeConfig:
     # a stream whose client takes no token for this long is cancelled and its blocks freed (router.stall_watch)
     stalled_stream_timeout: float = 30.0
     http_header_timeout: float = 10.0  # an HTTP request's head must arrive within this (slowloris)
+    http_max_connections_per_client: int = 256  # open HTTP connections one client address may hold (0: any)
     routers: int = 1  # router replicas sharing --port (and --http-port) over the same pools
     routers_spread: bool = False  # place the other replicas over the nodes, not on this one
     max_pool_size: int = 64  # the most workers `pdserve scale` may ask of one pool
@@ -160,6 +161,9 @@ class ServeConfig:
             raise ValueError(f"--stalled-stream-timeout must be > 0 seconds, got {self.stalled_stream_timeout}")
         if not self.http_header_timeout > 0:
             raise ValueError(f"--http-header-timeout must be > 0 seconds, got {self.http_header_timeout}")
+        if self.http_max_connections_per_client < 0:
+            raise ValueError("--http-max-connections-per-client must be >= 0 (0: no cap), got "
+                             f"{self.http_max_connections_per_client}")
         if self.worker_timeout <= 0.5:
             raise ValueError(f"--worker-timeout must be > 0.5 seconds (the heartbeat interval), got "
                              f"{self.worker_timeout}")

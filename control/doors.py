@@ -90,7 +90,8 @@ def http_server(door: HttpDoor, config: ServeConfig, tls: TLSConfig | None) -> H
     assert c.http_port is not None
     try:
         return HttpServer(door, c.host, c.http_port, tls, reuse_port=c.routers > 1,
-                          header_timeout_s=c.http_header_timeout)
+                          header_timeout_s=c.http_header_timeout,
+                          max_connections_per_client=c.http_max_connections_per_client)
     except OSError as e:
         raise ServeError(f"cannot serve HTTP on {c.host}:{c.http_port} ({e}); is the port taken, or the "
                          "TLS certificate unreadable? Pass another --http-port (0: off).") from e

@@ -9,13 +9,15 @@ or stops reading for `--stalled-stream-timeout`, cancels its request and its blo
 
 Hardening: a body over `MAX_BODY_BYTES` is refused while it is read (a Content-Length over it at once, 413);
 a body must arrive within `body_timeout_s` (408), request headers within `header_timeout_s` (the connection
-is closed: uvicorn has no header timeout of its own, `_HeaderTimeoutH11`); an error the client did not
-cause is a 500 with an incident id, its details in the log only.
+is closed: uvicorn has no header timeout of its own, `_HeaderTimeoutH11`); one client address holds at most
+`max_connections_per_client` connections (more are reset as they open, before any parsing); an error the
+client did not cause is a 500 with an incident id, its details in the log only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
@@ -46,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 10.0  # a connection's request head must arrive in this (slowloris)
 BODY_TIMEOUT_S = 30.0  # its body in this, once the head is in
+MAX_CONNECTIONS_PER_CLIENT = 256  # open connections from one client address (0: no cap)
+# connections accepted per turn of the event loop (and the listen queue): uvicorn's 2,048 lets a flood of
+# connections set up 2,048 transports and protocols in one turn, stalling every stream's tokens meanwhile
+ACCEPT_BATCH = 128
 
 
 class HttpDoor:
@@ -217,9 +223,11 @@ class HttpServer:
     """uvicorn on the calling event loop, on a socket bound here (so port 0 works and errors are ours)."""
 
     def __init__(self, door: HttpDoor, host: str, port: int, tls: TLSConfig | None = None,
-                 reuse_port: bool = False, header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+                 reuse_port: bool = False, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT) -> None:
         """`reuse_port`: share the port with other router replicas (SO_REUSEPORT: the kernel spreads the
-        connections over them); `header_timeout_s`: a request head must arrive within this."""
+        connections over them); `header_timeout_s`: a request head must arrive within this;
+        `max_connections_per_client`: open connections one client address may hold (0: any number)."""
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -234,9 +242,11 @@ class HttpServer:
             kw = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)}
             if tls.client_ca is not None:
                 kw.update(ssl_ca_certs=str(tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        protocol = type("HeaderTimeoutH11", (_HeaderTimeoutH11,), {"header_timeout_s": header_timeout_s})
+        protocol = type("HeaderTimeoutH11", (_HeaderTimeoutH11,), {
+            "header_timeout_s": header_timeout_s, "max_per_client": max_connections_per_client,
+            "open_by_client": collections.Counter()})
         config = uvicorn.Config(door.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=5, http=protocol, **kw)
+                                timeout_graceful_shutdown=5, http=protocol, backlog=ACCEPT_BATCH, **kw)
         try:
             config.load()  # here, not in the serving task: a bad certificate fails `pdserve serve` at start
         except Exception:
@@ -264,14 +274,27 @@ class _Uvicorn(uvicorn.Server):
 
 
 class _HeaderTimeoutH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a request-head timeout (uvicorn has none): a connection whose request
-    line and headers are not all in `header_timeout_s` after it opened, or after the first byte of a
-    keep-alive connection's next request, is closed. A slowloris client costs a socket for that long."""
+    """uvicorn's HTTP/1.1 protocol with a request-head timeout (uvicorn has none) and a cap on connections
+    per client address. A connection whose request line and headers are not all in `header_timeout_s`
+    after it opened, or after the first byte of a keep-alive connection's next request, is closed, so a
+    slowloris client costs a socket for that long; and one address holds at most `max_per_client`
+    connections: the next is reset before uvicorn sets it up, which is the cheapest answer the event loop
+    that also relays every stream's tokens can give to a flood of them."""
 
     header_timeout_s = HEADER_TIMEOUT_S
+    max_per_client = MAX_CONNECTIONS_PER_CLIENT
+    open_by_client: collections.Counter[str]  # per server (set by `HttpServer`)
     _head_timer: asyncio.TimerHandle | None = None
+    _client: str | None = None  # the address this connection counts against; None: reset at once
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) else "?"  # (a Unix socket has no address)
+        if self.max_per_client and self.open_by_client[client] >= self.max_per_client:
+            transport.abort()  # a reset; uvicorn never saw it, so `connection_lost` is ours alone
+            return
+        self._client = client
+        self.open_by_client[client] += 1
         super().connection_made(transport)
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
@@ -285,6 +308,11 @@ class _HeaderTimeoutH11(H11Protocol):
             self._cancel_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._client is None:
+            return
+        self.open_by_client[self._client] -= 1
+        if not self.open_by_client[self._client]:
+            del self.open_by_client[self._client]
         self._cancel_head_timer()
         super().connection_lost(exc)
 

@@ -5,6 +5,7 @@ to another, and hostile HTTP input (huge bodies, huge integers, lone surrogates,
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -31,6 +32,7 @@ KEYS = {
              {"key": BOB, "tenant": "bob", "role": "client"}],
 }
 STALL_S = 2.0
+PER_CLIENT = 64  # the HTTP door's connections per client address
 PROMPT = list(range(1, 200))  # 13 full blocks
 
 
@@ -43,7 +45,8 @@ def server(ray_cluster, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
     with running_server(model="tiny-random", num_blocks=128, max_model_len=1024, api_keys=str(keys),
-                        stalled_stream_timeout=STALL_S, http_header_timeout=1.0) as s:
+                        stalled_stream_timeout=STALL_S, http_header_timeout=1.0,
+                        http_max_connections_per_client=PER_CLIENT) as s:
         s.keys_file = keys
         yield s
 
@@ -293,6 +296,38 @@ def test_slow_headers_are_cut_off_and_the_server_stays_up(server):
         s.close()
     status, out = _post(server, json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
     assert status == 200, out
+
+
+def test_one_address_holds_at_most_its_cap_of_http_connections_and_another_is_served(server):
+    def health(conn: http.client.HTTPConnection) -> int:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        return r.status
+
+    port = server.server.http_port
+    held = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(PER_CLIENT)]
+    assert {health(c) for c in held} == {200}  # (each stays open, idle in keep-alive)
+    extra = socket.create_connection(("127.0.0.1", port))
+    extra.settimeout(5)
+    with pytest.raises(ConnectionResetError):  # one past the cap: reset as it opens, nothing parsed
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        extra.recv(100)
+    extra.close()
+    # another address (loopback is all of 127/8) is not held back by this one's connections
+    other = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=("127.0.0.2", 0))
+    assert health(other) == 200
+    assert health(held[0]) == 200  # and the held ones still serve
+    for c in [*held, other]:
+        c.close()
+    deadline = time.monotonic() + 10
+    while True:  # once they are closed, the address may open connections again
+        try:
+            assert health(http.client.HTTPConnection("127.0.0.1", port, timeout=10)) == 200
+            break
+        except ConnectionResetError:
+            assert time.monotonic() < deadline, "the address's count never came down"
+            time.sleep(0.1)
 
 
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):

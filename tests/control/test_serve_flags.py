@@ -1,0 +1,24 @@
+"""`pdserve serve`'s front-door flags reach the config, and a bad value is refused naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from control.cli import build_parser, serve_config
+
+
+def config(*argv: str):
+    return serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_the_http_connection_cap_per_client_defaults_to_256_and_0_turns_it_off():
+    assert config().http_max_connections_per_client == 256
+    assert config("--http-max-connections-per-client", "0").http_max_connections_per_client == 0
+    with pytest.raises(ValueError, match="--http-max-connections-per-client must be >= 0"):
+        config("--http-max-connections-per-client", "-1")
+
+
+def test_a_header_timeout_of_zero_is_refused_naming_the_flag():
+    assert config("--http-header-timeout", "2.5").http_header_timeout == 2.5
+    with pytest.raises(ValueError, match="--http-header-timeout must be > 0"):
+        config("--http-header-timeout", "0")
