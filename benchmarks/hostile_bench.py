@@ -231,7 +231,6 @@ class Bench:
         return {"streams": len(calls), "blocks_held": held, "blocks_back_s_after_first_tokens": back,
                 "cancelled": cancelled._value.get() - before}
 
-
     def tenants(self, ready: threading.Event, started: threading.Event, done: threading.Event) -> dict:
         return self._flood("flood", None, ready, done)
 
@@ -245,9 +244,10 @@ class Bench:
         armed, go, stop = ctx.Event(), ctx.Event(), ctx.Event()
         found, child_end = ctx.Pipe(duplex=False)
         a = self.args
+        # (fresh prompts every time: a round's flood must not find the last round's in the prefix cache)
         p = ctx.Process(target=_flood, args=(self.dep.address, KEYS[tenant], priority, a.flood_threads,
-                                             a.flood_prompt, a.flood_max_tokens, self.vocab, armed, go, stop,
-                                             child_end))
+                                             a.flood_prompt, a.flood_max_tokens, self.vocab,
+                                             self.rng.randrange(1 << 30), armed, go, stop, child_end))
         p.start()
         armed.wait(120)
         go.set()
@@ -262,7 +262,7 @@ class Bench:
 
 
 def _flood(address: str, key: str, priority: int | None, threads: int, prompt_len: int, max_tokens: int,
-           vocab: int, armed, go, stop, out) -> None:
+           vocab: int, seed: int, armed, go, stop, out) -> None:
     """(In the attacker's process.) `threads` clients sending one request after another until `stop`; a
     refused one waits out its retry-after. Reports how many were served and how fast refusals came."""
     channel = grpc.insecure_channel(address)
@@ -270,8 +270,8 @@ def _flood(address: str, key: str, priority: int | None, threads: int, prompt_le
     md = (("authorization", f"Bearer {key}"),)
     lock, served, refused, errors = threading.Lock(), [0], [], []
 
-    def client(seed: int) -> None:
-        rng = random.Random(seed)
+    def client(i: int) -> None:
+        rng = random.Random(seed + i)
         while not stop.is_set():
             req = request([rng.randrange(100, vocab) for _ in range(prompt_len)], max_tokens, priority)
             t0 = time.perf_counter()
@@ -340,37 +340,39 @@ def ratios(base: list[float], beside: list[float]) -> dict:
 
 def run(bench: Bench, args: argparse.Namespace) -> dict:
     """Each attack beside its victim, every round; the victims alone first in each round."""
-    gaps, ttfts = bench.victim, bench.first_tokens
-    every = {"huge": (bench.huge, gaps), "slowloris": (bench.slowloris, gaps),
-             "stalled": (bench.stalled, gaps), "tenants": (bench.tenants, ttfts),
-             "priority": (bench.priority, lambda started: ttfts(started, priority=1))}
+    victims = {"stream_itl": bench.victim, "probe_ttft": bench.first_tokens,
+               "probe_ttft_priority_1": lambda started=None: bench.first_tokens(started, priority=1)}
+    every = {"huge": (bench.huge, "stream_itl"), "slowloris": (bench.slowloris, "stream_itl"),
+             "stalled": (bench.stalled, "stream_itl"), "tenants": (bench.tenants, "probe_ttft"),
+             "priority": (bench.priority, "probe_ttft_priority_1")}
     attacks = {name: every[name] for name in args.attacks}
-    base: dict = {gaps: [], ttfts: []}
+    # (alone, a probe's priority changes nothing: one baseline serves both probes)
+    alone = {"probe_ttft" if v.startswith("probe_ttft") else v for _, v in attacks.values()}
+    base: dict[str, list[float]] = {v: [] for v in alone}
     numbers: dict[str, list[float]] = {k: [] for k in attacks}
     found: dict[str, list[dict]] = {k: [] for k in attacks}
     steps = []
     for rnd in range(args.rounds):
         for victim in base:
-            if any(v is victim for _, v in attacks.values()) or (victim is ttfts and "priority" in attacks):
-                base[victim] += victim()
+            base[victim] += victims[victim]()
         if "priority" in attacks:
             steps.append(bench.step_s())
         for name, (attack, victim) in attacks.items():
             print(f"round {rnd + 1}/{args.rounds}: the victim beside {name}...", file=sys.stderr, flush=True)
-            g, f = bench.beside(attack, victim)
+            g, f = bench.beside(attack, victims[victim])
             numbers[name] += g
             found[name].append(f)
         bench.wait_blocks_back(60)
     out: dict = {}
-    for label, victim in (("stream_itl", gaps), ("probe_ttft", ttfts)):
-        if base[victim]:
-            out[f"baseline_{label}"] = {"p50_ms": percentile(base[victim], 50) * 1e3,
-                                        "p99_ms": percentile(base[victim], 99) * 1e3, "n": len(base[victim])}
+    for victim, values in base.items():
+        out[f"baseline_{victim}"] = {"p50_ms": percentile(values, 50) * 1e3,
+                                     "p99_ms": percentile(values, 99) * 1e3, "n": len(values)}
     for name, (_, victim) in attacks.items():
-        out[name] = {**ratios(base[victim], numbers[name]), "rounds": found[name]}
+        alone_values = base["probe_ttft" if victim.startswith("probe_ttft") else victim]
+        out[name] = {"victim": victim, **ratios(alone_values, numbers[name]), "rounds": found[name]}
     if "priority" in attacks:
         step = sum(steps) / len(steps)
-        delay = percentile(numbers["priority"], 50) - percentile(base[ttfts], 50)
+        delay = percentile(numbers["priority"], 50) - percentile(base["probe_ttft"], 50)
         out["priority"].update(step_ms=step * 1e3, ttft_p50_delay_ms=delay * 1e3,
                                delay_over_step=delay / step)
     return out
