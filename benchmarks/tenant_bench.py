@@ -23,13 +23,16 @@ Each `--lower-class-chunk-tokens` value (the class-0 prompt tokens per step whil
 whole step) gets a deployment of its own, one after another in one run, so the runs compare side by side; each
 reports the prompt tokens per second served to the flood and to `interactive` meanwhile: what the smaller
 steps cost the prefill worker is their sum, since the flood's share falls as `interactive` is served sooner.
-Every worker is a process on this machine's 2 cores: compare the ratios from one run, not the seconds.
+The flooding tenant's clients run in a process of their own, as they would on another machine (the router
+runs on a thread of this one). Every worker is a process on this machine's 2 cores: compare the ratios from
+one run, not the seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import statistics
 import sys
@@ -86,39 +89,65 @@ def _p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _flood(client: Client, stop: threading.Event, out: list[tuple[str, float, float]], polite: bool) -> None:
+def _flood(client: Client, stop, out: list[tuple[str, float, float, float]], polite: bool) -> None:
     while not stop.is_set():
-        out.append(client.first_token())
+        out.append((*client.first_token(), time.monotonic()))
         if polite and out[-1][0] == "RESOURCE_EXHAUSTED":
             stop.wait(client.retry_after)
 
 
-def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client, polite: bool) -> dict:
-    """`interactive`'s probes while `flood` floods (`polite`: its clients wait out each refusal's retry-after)."""
-    stop, flooded = threading.Event(), []
-    flooders = [Client(address, "flood", vocab, args.prompt_tokens, 100 + i) for i in range(args.flood)]
+def _flooder(address: str, vocab: int, prompt_tokens: int, clients: int, polite: bool, flooding, stop,
+             out) -> None:
+    """(In the flooding tenant's own process.) `clients` closed-loop clients until `stop`; sends back every
+    request's (status, seconds, prefill seconds, monotonic end)."""
+    flooders = [Client(address, "flood", vocab, prompt_tokens, 100 + i) for i in range(clients)]
+    flooded: list[tuple[str, float, float, float]] = []
     threads = [threading.Thread(target=_flood, args=(c, stop, flooded, polite), daemon=True) for c in flooders]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # the flood is on
-    began, skip = time.monotonic(), len(flooded)
-    probes = [inter.first_token() for _ in range(args.probes)]
-    seconds = time.monotonic() - began
-    served = sum(code == "OK" for code, _, _ in flooded[skip:])  # (those that ended while the probes ran)
-    stop.set()
+    flooding.set()
+    t0, cpu0 = time.monotonic(), time.process_time()
+    stop.wait(3600)
+    cores = (time.process_time() - cpu0) / (time.monotonic() - t0)  # (what the flood's own Python cost)
     for t in threads:
         t.join(120)
     for c in flooders:
         c.close()
-    refused = [t for code, t, _ in flooded if code == "RESOURCE_EXHAUSTED"]
+    out.send((flooded, cores))
+
+
+def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client, polite: bool) -> dict:
+    """`interactive`'s probes while `flood` floods (`polite`: its clients wait out each refusal's retry-after).
+
+    NOTE: the flood runs in a process of its own, as another tenant's clients would: the router runs on a
+    thread of this one, and a dozen closed-loop clients' Python here would take the GIL from it, charging
+    the bench's own cost to the router's refusals (an earlier version of this bench did)."""
+    ctx = multiprocessing.get_context("spawn")
+    flooding, stop = ctx.Event(), ctx.Event()
+    found, child_end = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_flooder, args=(address, vocab, args.prompt_tokens, args.flood, polite, flooding,
+                                           stop, child_end))
+    p.start()
+    flooding.wait(120)
+    time.sleep(1.0)  # the flood is on
+    began = time.monotonic()
+    probes = [inter.first_token() for _ in range(args.probes)]
+    ended = time.monotonic()
+    stop.set()
+    flooded, flood_cores = found.recv() if found.poll(300) else ([], float("nan"))
+    p.join(30)
+    seconds = ended - began
+    served = sum(code == "OK" and began <= end <= ended for code, _, _, end in flooded)
+    refused = [t for code, t, _, _ in flooded if code == "RESOURCE_EXHAUSTED"]
     ttft = _p50([t for _, t, _ in probes])
     print(f"overload ({'polite' if polite else 'ignoring retry-after'}): interactive TTFT p50 {ttft * 1e3:.0f} ms; "
           f"flood: {len(flooded)} requests, {len(refused)} refused", file=sys.stderr, flush=True)
     return {"ttft_p50_s": ttft, "flood_requests": len(flooded), "flood_refused": len(refused),
             "flood_prompt_tokens_per_s": served * args.prompt_tokens / seconds,
             "interactive_prompt_tokens_per_s": len(probes) * args.prompt_tokens / seconds,
-            "flood_other_errors": sorted({code for code, _, _ in flooded} - {"OK", "RESOURCE_EXHAUSTED"}),
-            "refusal_p50_s": _p50(refused), "refusal_max_s": max(refused, default=float("nan"))}
+            "flood_other_errors": sorted({code for code, *_ in flooded} - {"OK", "RESOURCE_EXHAUSTED"}),
+            "refusal_p50_s": _p50(refused), "refusal_max_s": max(refused, default=float("nan")),
+            "flood_client_cores": flood_cores}
 
 
 def _probe(client: Client, priority: int, into: dict, key: str) -> None:
@@ -182,7 +211,8 @@ def _run_text(s: dict) -> str:
                      f"(p50 {o['refusal_p50_s'] * 1e3:.1f} ms, max {o['refusal_max_s'] * 1e3:.1f} ms); "
                      f"prompt tokens/s served to it {o['flood_prompt_tokens_per_s']:.0f}, to interactive "
                      f"{o['interactive_prompt_tokens_per_s']:.0f}, together "
-                     f"{o['flood_prompt_tokens_per_s'] + o['interactive_prompt_tokens_per_s']:.0f}")
+                     f"{o['flood_prompt_tokens_per_s'] + o['interactive_prompt_tokens_per_s']:.0f}; the "
+                     f"flood's own clients used {o['flood_client_cores']:.2f} cores")
     lines.append(f"behind a burst of {s['burst']} class-0 prompts: the class-9 request waits "
                  f"{s['burst_high_excess_steps']:.1f} steps more than idle, the class-0 one "
                  f"{s['burst_low_excess_steps']:.1f} (one step: the idle prefill of one prompt, "
