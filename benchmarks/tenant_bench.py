@@ -120,8 +120,8 @@ def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client,
     """`interactive`'s probes while `flood` floods (`polite`: its clients wait out each refusal's retry-after).
 
     NOTE: the flood runs in a process of its own, as another tenant's clients would: the router runs on a
-    thread of this one, and a dozen closed-loop clients' Python here would take the GIL from it, charging
-    the bench's own cost to the router's refusals (an earlier version of this bench did)."""
+    thread of this one, and a dozen closed-loop clients' Python here would share its GIL, each slowing the
+    other (an earlier version of this bench did that: its flood was weaker than a real one)."""
     ctx = multiprocessing.get_context("spawn")
     flooding, stop = ctx.Event(), ctx.Event()
     found, child_end = ctx.Pipe(duplex=False)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 # a reservation lapses this long after it was made or last renewed (the router renews it every ~0.5 s)
 DEFAULT_LEASE_S = 30.0
+ADMITTED_MEMORY = 4096  # recently admitted ids `renew` remembers (more than a lease's worth at any rate here)
 
 
 @dataclass
@@ -100,6 +102,9 @@ class DecodeWorker(WorkerBase):
         else:
             self.receiver, self.sender = None, None
         self.pending: dict[str, _Pending] = {}
+        # ids whose KV landed and decode began lately (bounded): `renew` must not call them lapsed when a
+        # short request has finished before the router, busy, has seen its prefill end
+        self.admitted: OrderedDict[str, None] = OrderedDict()
         self.held: set[str] = set()  # sequences held for a move: backpressure's resume leaves them paused
         self.moves: dict[str, _Move] = {}  # by the destination's attempt key
         self.steps = StepFanout()  # to each router replica, its attempts' tokens
@@ -151,8 +156,9 @@ class DecodeWorker(WorkerBase):
         for rid in request_ids:
             pending = self.pending.get(rid)
             if pending is None:
-                # NOTE: admitted already (its first token came before its KV finished landing): not lapsed
-                if rid not in self.engine.requests:
+                # NOTE: admitted already (its first token came before its KV finished landing), or even
+                # finished since: not lapsed
+                if rid not in self.engine.requests and rid not in self.admitted:
                     gone.append(rid)
                 continue
             pending.lease_until = max(pending.lease_until, until)
@@ -305,6 +311,9 @@ class DecodeWorker(WorkerBase):
             return
         req = pending.request
         del self.pending[req.request_id]
+        self.admitted[req.request_id] = None
+        if len(self.admitted) > ADMITTED_MEMORY:
+            self.admitted.popitem(last=False)
         if self.engine.kv_landed(req, pending.first_token):  # the first token already ends it
             self._emit([TokenDelta(req.request_id, [], req.finish_reason, req.num_cached_tokens)])
 

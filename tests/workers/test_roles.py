@@ -194,6 +194,9 @@ def test_a_first_token_that_ends_the_request_frees_both_sides(rendezvous, refere
             assert await disaggregated(prefill, decode, steps, "one", PROMPTS[1], greedy(1)) == reference[1, 1]
             await decode.report()
             assert_all_free(prefill, decode)
+            # a renewal that reaches the decode worker after the request ended (a busy router has not yet
+            # seen its prefill end): it was admitted, not lapsed; an id never reserved here was
+            assert await decode.renew(["one", "never"]) == ["never"]
 
     run(go)
 
