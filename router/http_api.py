@@ -21,6 +21,7 @@ import collections
 import contextlib
 import logging
 import socket
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -291,7 +292,10 @@ class _HeaderTimeoutH11(H11Protocol):
         peer = transport.get_extra_info("peername")
         client = str(peer[0]) if isinstance(peer, tuple) else "?"  # (a Unix socket has no address)
         if self.max_per_client and self.open_by_client[client] >= self.max_per_client:
-            transport.abort()  # a reset; uvicorn never saw it, so `connection_lost` is ours alone
+            sock = transport.get_extra_info("socket")
+            if sock is not None:  # linger 0: the close is a reset, and the socket holds no state after it
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()  # uvicorn never saw it, so `connection_lost` is ours alone
             return
         self._client = client
         self.open_by_client[client] += 1
