@@ -157,6 +157,9 @@ def _probe(client: Client, priority: int, into: dict, key: str) -> None:
 def run(address: str, vocab: int, args: argparse.Namespace) -> dict:
     inter = Client(address, "interactive", vocab, args.prompt_tokens, 1)
     idle = [inter.first_token() for _ in range(args.probes)]
+    if failed := sorted({code for code, _, _ in idle} - {"OK"}):
+        raise SystemExit(f"tenant_bench: the idle probes failed ({', '.join(failed)}); is --prompt-tokens "
+                         f"{args.prompt_tokens} within the model's context?")
     idle_ttft = _p50([t for _, t, _ in idle])
     step_s = _p50([p for _, _, p in idle])
     print(f"idle: interactive TTFT p50 {idle_ttft * 1e3:.0f} ms (prefill {step_s * 1e3:.0f} ms)",
