@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
 import socket
 import sys
@@ -40,6 +41,7 @@ import urllib.request
 
 import grpc
 
+from benchmarks.child import die_with_parent
 from benchmarks.output import emit
 from benchmarks.serving.client import RequestRecord
 from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
@@ -134,8 +136,9 @@ class Bench:
         ctx = multiprocessing.get_context("spawn")
         armed, go = ctx.Event(), ctx.Event()
         found, child_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_slow_heads, args=(self.http, self.args.slowloris,
-                                                  self.args.header_timeout + 1.5, armed, go, child_end))
+        p = ctx.Process(target=_slow_heads, daemon=True,
+                        args=(os.getpid(), self.http, self.args.slowloris, self.args.header_timeout + 1.5, armed,
+                              go, child_end))
         p.start()
         armed.wait(120)  # the child's imports are done before the victim starts
         ready.set()
@@ -174,9 +177,10 @@ class Bench:
                 "cancelled": cancelled._value.get() - before}
 
 
-def _slow_heads(port: int, n: int, hold_s: float, armed, go, out) -> None:
+def _slow_heads(parent: int, port: int, n: int, hold_s: float, armed, go, out) -> None:
     """(In the attacker's process.) `n` connections that send half a request head and stop; after `hold_s`,
     how many the server closed (reset, or read to EOF; still open at a 5 s read timeout: not closed)."""
+    die_with_parent(parent)
     armed.set()
     go.wait(600)
     conns, refused = [], 0

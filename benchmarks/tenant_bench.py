@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.child import die_with_parent
 from benchmarks.output import emit
 from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
 from protos.pdserve.v1 import generation_pb2 as pb
@@ -96,10 +98,11 @@ def _flood(client: Client, stop, out: list[tuple[str, float, float, float]], pol
             stop.wait(client.retry_after)
 
 
-def _flooder(address: str, vocab: int, prompt_tokens: int, clients: int, polite: bool, flooding, stop,
-             out) -> None:
+def _flooder(parent: int, address: str, vocab: int, prompt_tokens: int, clients: int, polite: bool, flooding,
+             stop, out) -> None:
     """(In the flooding tenant's own process.) `clients` closed-loop clients until `stop`; sends back every
     request's (status, seconds, prefill seconds, monotonic end)."""
+    die_with_parent(parent)
     flooders = [Client(address, "flood", vocab, prompt_tokens, 100 + i) for i in range(clients)]
     flooded: list[tuple[str, float, float, float]] = []
     threads = [threading.Thread(target=_flood, args=(c, stop, flooded, polite), daemon=True) for c in flooders]
@@ -125,8 +128,8 @@ def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client,
     ctx = multiprocessing.get_context("spawn")
     flooding, stop = ctx.Event(), ctx.Event()
     found, child_end = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_flooder, args=(address, vocab, args.prompt_tokens, args.flood, polite, flooding,
-                                           stop, child_end))
+    p = ctx.Process(target=_flooder, daemon=True, args=(os.getpid(), address, vocab, args.prompt_tokens,
+                                                        args.flood, polite, flooding, stop, child_end))
     p.start()
     flooding.wait(120)
     time.sleep(1.0)  # the flood is on
