@@ -46,6 +46,7 @@ from benchmarks.output import emit
 from benchmarks.serving.client import RequestRecord
 from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
 from benchmarks.serving.stats import percentile
+from protos.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -64,6 +65,7 @@ class Bench:
         self.dep, self.args = dep, args
         self.channel = grpc.insecure_channel(dep.address)
         self.stub = pb_grpc.GenerationStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
         self.vocab = self.stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
         self.http = dep.server.http_port
         self.rng = random.Random(0)
@@ -81,11 +83,10 @@ class Bench:
         return record.itls
 
     def used_blocks(self) -> int:
-        import ray
-
-        workers = [w for w in self.dep.server.router.workers.values() if w.alive]
-        reports = ray.get([w.client.actor.report.remote() for w in workers])
-        return sum(r.load.total_blocks - r.load.free_blocks for r in reports)
+        """KV blocks the workers hold for sequences, as the Admin API reports them (`pdserve workers`: the
+        last load reports, at most ~0.5 s old)."""
+        workers = self.admin.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=30).workers
+        return sum(w.total_blocks - w.free_blocks for w in workers)
 
     def wait_blocks_back(self, timeout: float) -> float | None:
         t0 = time.monotonic()
