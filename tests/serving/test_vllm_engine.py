@@ -150,6 +150,25 @@ def test_vllm_kv_events_feed_the_prefix_index(server):
 
 @needs_vllm
 @pytest.mark.slow
+def test_a_cache_salt_keeps_a_prompt_out_of_another_salts_cache(server):
+    """`cache_salt` reaches vLLM's own prefix cache: a prompt cached under one salt is not found under
+    another (as a tenant's default salt keeps tenants apart), and is under its own."""
+    prompt = "A salted retelling. " + PROMPTS[5]
+
+    def cached(salt: str) -> int:
+        req = greedy_request(prompt, 2)
+        req.cache_salt = salt
+        return server.generate(req)[-1].usage.cached_prompt_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    assert cached("tenant-b") > 0
+    server.wait_idle()
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_a_cancelled_stream_frees_its_blocks_in_both_pools(server):
     call = server.stub.Generate(greedy_request(PROMPTS[4], 400, ignore_eos=True), timeout=120)
     got = [next(call) for _ in range(3)]
