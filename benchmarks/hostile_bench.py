@@ -137,9 +137,9 @@ class Bench:
         ctx = multiprocessing.get_context("spawn")
         armed, go = ctx.Event(), ctx.Event()
         found, child_end = ctx.Pipe(duplex=False)
+        hold_s = self.args.header_timeout + 1.5
         p = ctx.Process(target=_slow_heads, daemon=True,
-                        args=(os.getpid(), self.http, self.args.slowloris, self.args.header_timeout + 1.5, armed,
-                              go, child_end))
+                        args=(os.getpid(), self.http, self.args.slowloris, hold_s, armed, go, child_end))
         p.start()
         armed.wait(120)  # the child's imports are done before the victim starts
         ready.set()

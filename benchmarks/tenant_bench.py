@@ -105,7 +105,8 @@ def _flooder(parent: int, address: str, vocab: int, prompt_tokens: int, clients:
     die_with_parent(parent)
     flooders = [Client(address, "flood", vocab, prompt_tokens, 100 + i) for i in range(clients)]
     flooded: list[tuple[str, float, float, float]] = []
-    threads = [threading.Thread(target=_flood, args=(c, stop, flooded, polite), daemon=True) for c in flooders]
+    threads = [threading.Thread(target=_flood, args=(c, stop, flooded, polite), daemon=True)
+               for c in flooders]
     for t in threads:
         t.start()
     flooding.set()
@@ -120,7 +121,8 @@ def _flooder(parent: int, address: str, vocab: int, prompt_tokens: int, clients:
 
 
 def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client, polite: bool) -> dict:
-    """`interactive`'s probes while `flood` floods (`polite`: its clients wait out each refusal's retry-after).
+    """`interactive`'s probes while `flood` floods (`polite`: its clients wait out each refusal's
+    retry-after).
 
     NOTE: the flood runs in a process of its own, as another tenant's clients would: the router runs on a
     thread of this one, and a dozen closed-loop clients' Python here would share its GIL, each slowing the
