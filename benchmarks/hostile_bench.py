@@ -190,7 +190,7 @@ def _slow_heads(parent: int, port: int, n: int, hold_s: float, armed, go, out) -
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
             conns.append(s)
-        except ConnectionError:  # (reset as it opened: past the door's cap for one address)
+        except OSError:  # (reset as it opened, past the door's cap for one address; or refused, timed out)
             refused += 1
     time.sleep(hold_s)
     closed = 0

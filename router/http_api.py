@@ -50,9 +50,10 @@ logger = logging.getLogger(__name__)
 HEADER_TIMEOUT_S = 10.0  # a connection's request head must arrive in this (slowloris)
 BODY_TIMEOUT_S = 30.0  # its body in this, once the head is in
 MAX_CONNECTIONS_PER_CLIENT = 256  # open connections from one client address (0: no cap)
-# connections accepted per turn of the event loop (and the listen queue): uvicorn's 2,048 lets a flood of
-# connections set up 2,048 transports and protocols in one turn, stalling every stream's tokens meanwhile
+# connections accepted per wake-up of the event loop: uvicorn's 2,048 lets a flood of connections queue 2,048
+# transport and protocol set-ups at once, which then run in one turn, stalling every stream's tokens
 ACCEPT_BATCH = 128
+LISTEN_QUEUE = 2048  # the kernel's queue of connections not yet accepted (asyncio sets it to the batch first)
 
 
 class HttpDoor:
@@ -246,8 +247,10 @@ class HttpServer:
         protocol = type("HeaderTimeoutH11", (_HeaderTimeoutH11,), {
             "header_timeout_s": header_timeout_s, "max_per_client": max_connections_per_client,
             "open_by_client": collections.Counter()})
+        # (ws "none": no WebSocket routes, and an upgraded connection would leave the per-address count)
         config = uvicorn.Config(door.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=5, http=protocol, backlog=ACCEPT_BATCH, **kw)
+                                timeout_graceful_shutdown=5, http=protocol, backlog=ACCEPT_BATCH, ws="none",
+                                **kw)
         try:
             config.load()  # here, not in the serving task: a bad certificate fails `pdserve serve` at start
         except Exception:
@@ -272,6 +275,14 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # NOTE: asyncio listens with the accept batch as the queue too; a burst of clients connecting at once
+        # would find 128 places and wait 1 s per dropped SYN. Linux takes a new queue length on a listening
+        # socket, and the batch per wake-up stays
+        for sock in sockets or []:
+            sock.listen(LISTEN_QUEUE)
 
 
 class _HeaderTimeoutH11(H11Protocol):

@@ -8,10 +8,12 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -305,7 +307,13 @@ def test_one_address_holds_at_most_its_cap_of_http_connections_and_another_is_se
         r.read()
         return r.status
 
+    # (no WebSocket protocol: an upgraded connection would leave the per-address count behind)
+    assert server.server.http.server.config.ws_protocol_class is None
     port = server.server.http_port
+    # the kernel queues 2,048 connections (somaxconn permitting) though the door accepts 128 per wake-up
+    listen = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True)
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(listen.stdout.split()[2]) == min(2048, somaxconn), listen.stdout
     held = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(PER_CLIENT)]
     assert {health(c) for c in held} == {200}  # (each stays open, idle in keep-alive)
     extra = socket.create_connection(("127.0.0.1", port))
