@@ -93,6 +93,16 @@ class Decision:
     reason: str
 
 
+def sizes_to_ask(wanted: Mapping[str, int], current: Mapping[str, int], meets: bool) -> dict[str, int]:
+    """Each pool's size to ask for: the plan's, except that where no layout meets the SLO (a load past what
+    the pool caps can serve) no pool shrinks. The layout that comes closest may have fewer workers than the
+    pools have (`SizingPlan.closest` prefers the fewest within a few points); draining one under that load
+    only makes it worse, as a live run did (docs/planner.md, autoscale run 4)."""
+    if meets:
+        return dict(wanted)
+    return {pool: max(n, current.get(pool, 0)) for pool, n in wanted.items()}
+
+
 @dataclass
 class Autoscaler:
     policy: ScalePolicy = field(default_factory=ScalePolicy)

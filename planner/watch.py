@@ -22,7 +22,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
-from planner.autoscaler import Autoscaler, Decision, Forecaster, ScalePolicy, Traffic, parse_counters
+from planner.autoscaler import (
+    Autoscaler,
+    Decision,
+    Forecaster,
+    ScalePolicy,
+    Traffic,
+    parse_counters,
+    sizes_to_ask,
+)
 from planner.profile import Profile
 from planner.results import SLO
 from planner.sizing import Candidate, SizingPlan, size
@@ -179,10 +187,13 @@ def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Pr
         if pick is not None:  # (a plan is made only for traffic)
             how = ("meets" if pick is plan.best else
                    f"comes closest within --max-pool-size {policy.max_pool_size} (no layout meets it): it meets")
-            wanted = {"prefill": pick.layout.prefill_workers, "decode": pick.layout.decode_workers}
+            planned = {"prefill": pick.layout.prefill_workers, "decode": pick.layout.decode_workers}
+            wanted = sizes_to_ask(planned, current, meets=pick is plan.best)
+            held = "" if wanted == planned else "; no pool shrinks while none meets it"
             why = (f"{traffic.rate:.2f} req/s now, {rate:.2f} forecast, prompts {traffic.mean_prompt:.0f} / outputs "
                    f"{traffic.mean_output:.0f} tokens: {pick.layout.label} {how} the SLO for {pick.attainment:.0%} "
-                   f"(TTFT p90 {pick.result.ttft.p90:.2f} s, ITL p50 {pick.result.itl.p50 * 1e3:.0f} ms)")
+                   f"(TTFT p90 {pick.result.ttft.p90:.2f} s, ITL p50 {pick.result.itl.p50 * 1e3:.0f} ms)"
+                   f"{held}")
             decisions = scaler.decide(time.monotonic(), current, wanted, why)
         logger.info("interval %d: %.2f req/s, forecast %.2f; plan %s", k, traffic.rate, rate,
                     pick.layout.label if pick is not None else "-")

@@ -17,6 +17,7 @@ from planner.autoscaler import (
     ScalePolicy,
     Traffic,
     parse_counters,
+    sizes_to_ask,
 )
 from router.metrics import Metrics
 
@@ -71,6 +72,14 @@ def test_one_dip_does_not_scale_down_but_a_second_in_a_row_does():
     assert scaler.decide(10, {"prefill": 3}, {"prefill": 3}, "back") == []  # the dip is forgotten
     assert scaler.decide(20, {"prefill": 3}, {"prefill": 2}, "dip") == []
     assert [d.target for d in scaler.decide(30, {"prefill": 3}, {"prefill": 2}, "low")] == [2]
+
+
+def test_no_pool_shrinks_while_no_layout_meets_the_slo_but_one_may_grow():
+    current = {"prefill": 1, "decode": 2}
+    closest = {"prefill": 1, "decode": 1}  # the fewest workers within a few points of the most attainment
+    assert sizes_to_ask(closest, current, meets=False) == {"prefill": 1, "decode": 2}
+    assert sizes_to_ask(closest, current, meets=True) == closest  # a plan that meets it may shrink a pool
+    assert sizes_to_ask({"prefill": 2, "decode": 2}, current, meets=False) == {"prefill": 2, "decode": 2}
 
 
 def test_a_bad_policy_is_refused():
