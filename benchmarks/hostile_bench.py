@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import os
 import random
 import socket
 import sys
@@ -41,7 +39,7 @@ import urllib.request
 
 import grpc
 
-from benchmarks.child import die_with_parent
+from benchmarks.child import CONTEXT, Child
 from benchmarks.output import emit
 from benchmarks.serving.client import RequestRecord
 from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
@@ -134,19 +132,13 @@ class Bench:
     def slowloris(self, ready: threading.Event, started: threading.Event) -> dict:
         # NOTE: from a process of its own, as a real attacker: 2,000 connects from a thread of this one
         # would take the GIL from the router (on a thread here) and charge the bench's cost to the door
-        ctx = multiprocessing.get_context("spawn")
-        armed, go = ctx.Event(), ctx.Event()
-        found, child_end = ctx.Pipe(duplex=False)
-        hold_s = self.args.header_timeout + 1.5
-        p = ctx.Process(target=_slow_heads, daemon=True,
-                        args=(os.getpid(), self.http, self.args.slowloris, hold_s, armed, go, child_end))
-        p.start()
+        armed, go = CONTEXT.Event(), CONTEXT.Event()
+        child = Child(_slow_heads, self.http, self.args.slowloris, self.args.header_timeout + 1.5, armed, go)
         armed.wait(120)  # the child's imports are done before the victim starts
         ready.set()
         started.wait(60)
         go.set()
-        result = found.recv() if found.poll(self.args.header_timeout + 120) else {"error": "no answer"}
-        p.join(30)
+        result = child.answer(self.args.header_timeout + 120, {"error": "no answer"})
         req = urllib.request.Request(f"http://127.0.0.1:{self.http}/v1/completions",
                                      data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -178,10 +170,9 @@ class Bench:
                 "cancelled": cancelled._value.get() - before}
 
 
-def _slow_heads(parent: int, port: int, n: int, hold_s: float, armed, go, out) -> None:
+def _slow_heads(port: int, n: int, hold_s: float, armed, go) -> dict:
     """(In the attacker's process.) `n` connections that send half a request head and stop; after `hold_s`,
     how many the server closed (reset, or read to EOF; still open at a 5 s read timeout: not closed)."""
-    die_with_parent(parent)
     armed.set()
     go.wait(600)
     conns, refused = [], 0
@@ -203,7 +194,7 @@ def _slow_heads(parent: int, port: int, n: int, hold_s: float, armed, go, out) -
         except TimeoutError:
             pass
         s.close()
-    out.send({"connections": n, "closed_by_server": closed + refused})
+    return {"connections": n, "closed_by_server": closed + refused}
 
 
 def ratios(base: list[float], beside: list[float]) -> dict:

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import os
 import random
 import statistics
 import sys
@@ -44,7 +42,7 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.child import die_with_parent
+from benchmarks.child import CONTEXT, Child
 from benchmarks.output import emit
 from benchmarks.serving.launch import Layout, LocalDeployment, start_ray
 from protos.pdserve.v1 import generation_pb2 as pb
@@ -98,11 +96,10 @@ def _flood(client: Client, stop, out: list[tuple[str, float, float, float]], pol
             stop.wait(client.retry_after)
 
 
-def _flooder(parent: int, address: str, vocab: int, prompt_tokens: int, clients: int, polite: bool, flooding,
-             stop, out) -> None:
-    """(In the flooding tenant's own process.) `clients` closed-loop clients until `stop`; sends back every
-    request's (status, seconds, prefill seconds, monotonic end)."""
-    die_with_parent(parent)
+def _flooder(address: str, vocab: int, prompt_tokens: int, clients: int, polite: bool, flooding,
+             stop) -> tuple[list[tuple[str, float, float, float]], float]:
+    """(In the flooding tenant's own process.) `clients` closed-loop clients until `stop`; every request's
+    (status, seconds, prefill seconds, monotonic end), and the cores the clients used."""
     flooders = [Client(address, "flood", vocab, prompt_tokens, 100 + i) for i in range(clients)]
     flooded: list[tuple[str, float, float, float]] = []
     threads = [threading.Thread(target=_flood, args=(c, stop, flooded, polite), daemon=True)
@@ -117,7 +114,7 @@ def _flooder(parent: int, address: str, vocab: int, prompt_tokens: int, clients:
         t.join(120)
     for c in flooders:
         c.close()
-    out.send((flooded, cores))
+    return flooded, cores
 
 
 def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client, polite: bool) -> dict:
@@ -127,20 +124,15 @@ def _overload(address: str, vocab: int, args: argparse.Namespace, inter: Client,
     NOTE: the flood runs in a process of its own, as another tenant's clients would: the router runs on a
     thread of this one, and a dozen closed-loop clients' Python here would share its GIL, each slowing the
     other (an earlier version of this bench did that: its flood was weaker than a real one)."""
-    ctx = multiprocessing.get_context("spawn")
-    flooding, stop = ctx.Event(), ctx.Event()
-    found, child_end = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_flooder, daemon=True, args=(os.getpid(), address, vocab, args.prompt_tokens,
-                                                        args.flood, polite, flooding, stop, child_end))
-    p.start()
+    flooding, stop = CONTEXT.Event(), CONTEXT.Event()
+    flood = Child(_flooder, address, vocab, args.prompt_tokens, args.flood, polite, flooding, stop)
     flooding.wait(120)
     time.sleep(1.0)  # the flood is on
     began = time.monotonic()
     probes = [inter.first_token() for _ in range(args.probes)]
     ended = time.monotonic()
     stop.set()
-    flooded, flood_cores = found.recv() if found.poll(300) else ([], float("nan"))
-    p.join(30)
+    flooded, flood_cores = flood.answer(300, ([], float("nan")))
     seconds = ended - began
     served = sum(code == "OK" and began <= end <= ended for code, _, _, end in flooded)
     refused = [t for code, t, _, _ in flooded if code == "RESOURCE_EXHAUSTED"]

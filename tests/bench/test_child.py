@@ -11,18 +11,16 @@ import time
 from pathlib import Path
 
 PARENT = textwrap.dedent('''
-    import multiprocessing, os, sys, time
-    from benchmarks.child import die_with_parent
+    import os, sys, time
+    from benchmarks.child import Child
 
-    def child(parent, path):
-        die_with_parent(parent)
+    def child(path):
         with open(path, "w") as f:
             f.write(str(os.getpid()))
         time.sleep(600)
 
     if __name__ == "__main__":
-        ctx = multiprocessing.get_context("spawn")
-        ctx.Process(target=child, args=(os.getpid(), sys.argv[1]), daemon=True).start()
+        Child(child, sys.argv[1])
         time.sleep(600)
 ''')
 
