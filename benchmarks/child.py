@@ -4,7 +4,8 @@
 signal leaves it running, and a closed-loop client then hammers whatever took its port, at full speed, on a
 machine whose cores every later measurement shares. `die_with_parent` asks Linux for a SIGKILL when the
 parent goes (PR_SET_PDEATHSIG); elsewhere it does nothing and only the daemon flag holds. `Child` starts
-such a process and hands back what its function returned.
+such a process and hands back what its function returned; `process` makes one that answers over queues of
+its own.
 
 NOTE: Linux sends it when the *thread* that started the child ends: start children from a thread that
 outlives them (or join them before that thread returns, as the benchmarks here do)."""
@@ -36,6 +37,16 @@ class Child:
         got = self._answer.recv() if self._answer.poll(timeout) else default
         self.process.join(30)
         return got
+
+
+def process(target: Callable[..., Any], *args: Any) -> Any:
+    """An unstarted spawned process (a daemon) that runs `target(*args)` and dies with this one."""
+    return CONTEXT.Process(target=_run, args=(os.getpid(), target, args), daemon=True)
+
+
+def _run(parent: int, target: Callable[..., Any], args: tuple) -> None:
+    die_with_parent(parent)
+    target(*args)
 
 
 def _main(parent: int, target: Callable[..., Any], args: tuple, out: Any) -> None:

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 
+from benchmarks import child
 from benchmarks.output import emit
 
 BLOCK = 16
@@ -282,12 +283,10 @@ def run_served(concurrency: int, tokens: int, duration_s: float, routers: int, r
 
     server = _serve(repo, routers, port)
     pids = [server.pid, *_replica_pids()]
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
+    out_q = child.CONTEXT.Queue()
     per = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
     connections = _connections(concurrency, clients)
-    procs = [ctx.Process(target=_client_process, args=(port, n, tokens, duration_s, out_q, connections),
-                         daemon=True) for n in per if n]
+    procs = [child.process(_client_process, port, n, tokens, duration_s, out_q, connections) for n in per if n]
     try:
         cpu0, t0 = sum(_cpu_seconds(p) for p in pids), time.monotonic()
         for p in procs:
@@ -372,19 +371,17 @@ def run(concurrency: int, tokens: int, step_s: float, duration_s: float, clients
         profile: str | None = None, routers: int = 1) -> dict:
     """One row: `routers` router processes sharing one port (each over its own fake workers: this measures
     relaying, the e2e tests prove the shared pools), `clients` client processes."""
-    ctx = mp.get_context("spawn")
+    ctx = child.CONTEXT
     port_q, out_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs_r, port = [], 0
     for i in range(routers):
-        r = ctx.Process(target=_router_process, args=(port_q, stop_ev, step_s, profile if i == 0 else None, port),
-                        daemon=True)
+        r = child.process(_router_process, port_q, stop_ev, step_s, profile if i == 0 else None, port)
         r.start()
         port = port_q.get(timeout=120)
         procs_r.append(r)
     per = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
     connections = _connections(concurrency, clients)
-    procs = [ctx.Process(target=_client_process, args=(port, n, tokens, duration_s, out_q, connections),
-                         daemon=True) for n in per if n]
+    procs = [child.process(_client_process, port, n, tokens, duration_s, out_q, connections) for n in per if n]
     cpu0, t0 = sum(_cpu_seconds(r.pid) for r in procs_r), time.monotonic()
     for p in procs:
         p.start()

@@ -10,9 +10,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 PARENT = textwrap.dedent('''
     import os, sys, time
-    from benchmarks.child import Child
+    from benchmarks.child import Child, process
 
     def child(path):
         with open(path, "w") as f:
@@ -20,7 +22,10 @@ PARENT = textwrap.dedent('''
         time.sleep(600)
 
     if __name__ == "__main__":
-        Child(child, sys.argv[1])
+        if sys.argv[2] == "Child":
+            Child(child, sys.argv[1])
+        else:  # a child that answers over queues of its own (router_bench's router and clients)
+            process(child, sys.argv[1]).start()
         time.sleep(600)
 ''')
 
@@ -33,11 +38,12 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")  # (a zombie has ended; only its parent's reaping is left)
 
 
-def test_a_child_ends_when_its_benchmark_is_killed(tmp_path):
+@pytest.mark.parametrize("how", ["Child", "process"])
+def test_a_child_ends_when_its_benchmark_is_killed(tmp_path, how):
     script, pid_file = tmp_path / "parent.py", tmp_path / "child.pid"
     script.write_text(PARENT)
     root = Path(__file__).resolve().parents[2]
-    parent = subprocess.Popen([sys.executable, str(script), str(pid_file)], cwd=root,
+    parent = subprocess.Popen([sys.executable, str(script), str(pid_file), how], cwd=root,
                               env={**os.environ, "PYTHONPATH": str(root)})
     try:
         deadline = time.monotonic() + 60
