@@ -3,6 +3,8 @@ and the decision rule (cool-down, scale-down hysteresis, pool bounds). `planner.
 
     traffic      = deltas of pdserve_requests_total, pdserve_prompt_tokens_total,
                    pdserve_generation_tokens_total between two scrapes
+    rate         = requests over the newest intervals that together saw at least `min_requests` (at most
+                   `max_intervals` of them): an interval alone at high rates, longer windows at low ones
     forecast     = Holt's linear smoothing of the request rate (level + trend), never below 0
     decision     = up at once (past the pool's cool-down); down only after `down_after` intervals in a row
                    asked for less (and past the cool-down); always within [min_pool_size, max_pool_size]
@@ -10,6 +12,7 @@ and the decision rule (cool-down, scale-down hysteresis, pool bounds). `planner.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -47,6 +50,38 @@ class Traffic:
             return cls(0.0, 0.0, 0.0)
         return cls(n / seconds, (after[PROMPT_TOKENS] - before[PROMPT_TOKENS]) / n,
                    (after[OUTPUT_TOKENS] - before[OUTPUT_TOKENS]) / n)
+
+
+@dataclass
+class RateWindow:
+    """The request rate over enough requests to mean something. A count of Poisson arrivals is off by about
+    1/sqrt(n): one 15 s interval at 0.1 req/s sees 0-3 requests, which read as rates from 0 to 0.2 and had a
+    pool flap up and down in a low phase (docs/planner.md, autoscale run 1). The window reaches back over
+    the newest intervals until they hold `min_requests` (8: about 35%), and never more than
+    `max_intervals`, so a rate step still shows within an interval or two."""
+
+    min_requests: int = 8
+    max_intervals: int = 6
+    scrapes: deque[tuple[float, Mapping[str, float]]] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.min_requests < 1 or self.max_intervals < 1:
+            raise ValueError(f"bad rate window: {self}")
+
+    def add(self, t: float, counters: Mapping[str, float]) -> float:
+        """Record a scrape taken at `t` (seconds); returns the windowed rate (0 until two scrapes)."""
+        self.scrapes.append((t, counters))
+        while len(self.scrapes) > self.max_intervals + 1:
+            self.scrapes.popleft()
+        t_new, newest = self.scrapes[-1]
+        for t_old, old in reversed(list(self.scrapes)[:-1]):
+            if newest[REQUESTS] - old[REQUESTS] >= self.min_requests:
+                break
+        else:
+            if len(self.scrapes) < 2:
+                return 0.0
+            t_old, old = self.scrapes[0]
+        return (newest[REQUESTS] - old[REQUESTS]) / (t_new - t_old) if t_new > t_old else 0.0
 
 
 @dataclass

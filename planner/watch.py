@@ -26,6 +26,7 @@ from planner.autoscaler import (
     Autoscaler,
     Decision,
     Forecaster,
+    RateWindow,
     ScalePolicy,
     Traffic,
     parse_counters,
@@ -150,10 +151,10 @@ def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Pr
     router's counters now (`scrape(url)` over HTTP); `sizer`: `size`, or the same run elsewhere (the serve
     process runs it in a child process, off the router's event loop); `as_profiled`: size for the profile's
     machine (`size(as_profiled=True)`)."""
-    forecaster, scaler = Forecaster(), Autoscaler(policy)
+    forecaster, scaler, window = Forecaster(), Autoscaler(policy), RateWindow()
     stop = stop or threading.Event()
-    before, t_before = counters(), time.monotonic()
-    start = before
+    start = counters()
+    window.add(time.monotonic(), start)
     k = 0
     while (rounds is None or k < rounds) and not stop.wait(interval_s):
         k += 1
@@ -162,13 +163,12 @@ def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Pr
         except OSError as e:  # the router restarting, a node lost: keep watching
             logger.warning("interval %d: cannot read the router's metrics (%s); trying again next interval", k, e)
             continue
-        # NOTE: the rate is the interval's; the lengths are the means since the watch began: prompt tokens
-        # are counted when a prefill ends and requests when a stream ends, so over one short interval the
-        # two counts belong to different requests (3 prefills over 1 finished stream read as 3x the prompt)
-        traffic = Traffic.between(before, after, t_after - t_before)
+        # NOTE: the rate is the window's (`RateWindow`); the lengths are the means since the watch began:
+        # prompt tokens are counted when a prefill ends and requests when a stream ends, so over one short
+        # interval the two counts belong to different requests (3 prefills over 1 finished stream read as 3x
+        # the prompt)
         shape = Traffic.between(start, after, 1.0)
-        traffic = Traffic(traffic.rate, shape.mean_prompt, shape.mean_output)
-        before, t_before = after, t_after
+        traffic = Traffic(window.add(t_after, after), shape.mean_prompt, shape.mean_output)
         rate = forecaster.observe(traffic.rate)
         plan, decisions = None, []
         try:
@@ -182,7 +182,7 @@ def watch(pools: Pools, counters: Callable[[], Mapping[str, float]], profile: Pr
         wanted: dict[str, int] = {}
         if rate == 0:  # no traffic: the smallest pools
             wanted = {"prefill": policy.min_pool_size, "decode": policy.min_pool_size}
-            decisions = scaler.decide(time.monotonic(), current, wanted, "no requests in the interval, none forecast")
+            decisions = scaler.decide(time.monotonic(), current, wanted, "no requests lately, none forecast")
         pick = plan.closest if plan is not None else None
         if pick is not None:  # (a plan is made only for traffic)
             how = ("meets" if pick is plan.best else

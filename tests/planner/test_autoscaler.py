@@ -14,6 +14,7 @@ from planner.autoscaler import (
     REQUESTS,
     Autoscaler,
     Forecaster,
+    RateWindow,
     ScalePolicy,
     Traffic,
     parse_counters,
@@ -54,6 +55,35 @@ def test_the_forecast_follows_a_rising_rate_ahead_of_its_level_and_never_goes_ne
     for r in (4.0, 2.0, 0.0, 0.0):
         last = f.observe(r)
     assert last >= 0.0
+
+
+def _feed(window: RateWindow, per_interval: list[int], interval_s: float = 15.0) -> list[float]:
+    """The window's rate after each interval that saw `per_interval[k]` requests."""
+    total, rates = 0, []
+    window.add(0.0, {REQUESTS: 0})
+    for k, n in enumerate(per_interval, 1):
+        total += n
+        rates.append(window.add(k * interval_s, {REQUESTS: total}))
+    return rates
+
+
+def test_the_rate_at_low_traffic_is_read_over_enough_requests_and_a_step_still_shows_at_once():
+    # a low phase of 0.1 req/s as Poisson arrivals deliver it in 15 s intervals: 0-3 a time
+    low = [1, 0, 3, 1, 2, 2, 1, 3, 0, 2]
+    raw = [n / 15 for n in low]
+    windowed = _feed(RateWindow(), low)
+    assert max(raw) - min(raw) == pytest.approx(0.2)
+    # once the window has filled (the raw rates swing from 0 to 0.2): 0.11-0.13
+    assert max(windowed[5:]) - min(windowed[5:]) < 0.05
+    assert all(0.08 <= r <= 0.14 for r in windowed[5:]), windowed
+    # a step to 2 req/s: 30 requests in the next interval are enough on their own
+    assert _feed(RateWindow(), [*low, 30])[-1] == pytest.approx(2.0)
+    # and the window reaches back no further than `max_intervals`, nor past its first scrape
+    assert _feed(RateWindow(min_requests=100, max_intervals=3), [1, 1, 1, 1, 4])[-1] == pytest.approx(6 / 45)
+    assert _feed(RateWindow(), [3])[-1] == pytest.approx(3 / 15)
+    assert RateWindow().add(0.0, {REQUESTS: 5}) == 0.0
+    with pytest.raises(ValueError):
+        RateWindow(min_requests=0)
 
 
 def test_up_at_once_down_only_after_repeated_asks_and_never_inside_the_cool_down():

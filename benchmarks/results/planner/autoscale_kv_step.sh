@@ -9,9 +9,16 @@
 #   run 2: the defaults
 #   run 3 (2026-12-06): PROFILE=benchmarks/results/planner/plan-right-2026-12-06/profile-smollm2-cpu.json
 #     MARGIN=0.15 HIGH=0.3 (the SLO file's "margin": size against both bounds less 15%)
+#   run 4: the same with MARGIN=0.3
+#   run 5 (2026-12-06 evening): PROFILE=new MARGIN=0.3 HIGH=0.3, after `sizes_to_ask` (no pool shrinks while
+#     no layout meets the SLO) and the rate window (`RateWindow`: at least 8 requests a reading)
 cd "$(dirname "$0")/../../.."
 OUT=${1:-benchmarks/results/planner/autoscale-kv-step}; mkdir -p "$OUT"
 P=${PROFILE:-benchmarks/results/planner/2026-12-05-eve/profile-smollm2-cpu.json}
+if [ "$P" = new ]; then  # a profile taken right before the run: this VM drifts by 20% within a morning
+  P=$OUT/profile-smollm2-cpu.json
+  pdserve plan profile --launch --worker-threads 1 --out "$P" > $OUT/profile.log 2>&1
+fi
 NUM_BLOCKS=${NUM_BLOCKS:-192}; LOW=${LOW:-0.1}; HIGH=${HIGH:-0.45}; INTERVAL=${INTERVAL:-15}
 echo "{\"ttft_s\": 1.5, \"itl_s\": 0.12, \"target\": 0.9, \"margin\": ${MARGIN:-0}}" > $OUT/slo.json
 # NOTE: half a Ray CPU slot a worker: the cluster serve starts has a slot a core (2), and a third and fourth
