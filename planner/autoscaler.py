@@ -73,14 +73,12 @@ class RateWindow:
         self.scrapes.append((t, counters))
         while len(self.scrapes) > self.max_intervals + 1:
             self.scrapes.popleft()
-        t_new, newest = self.scrapes[-1]
-        for t_old, old in reversed(list(self.scrapes)[:-1]):
-            if newest[REQUESTS] - old[REQUESTS] >= self.min_requests:
-                break
-        else:
-            if len(self.scrapes) < 2:
-                return 0.0
-            t_old, old = self.scrapes[0]
+        *earlier, (t_new, newest) = self.scrapes
+        if not earlier:
+            return 0.0
+        # the newest earlier scrape with enough requests since, else the oldest one kept
+        t_old, old = next(((t, c) for t, c in reversed(earlier) if newest[REQUESTS] - c[REQUESTS] >= self.min_requests),
+                          earlier[0])
         return (newest[REQUESTS] - old[REQUESTS]) / (t_new - t_old) if t_new > t_old else 0.0
 
 
