@@ -40,6 +40,14 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
         s[p + "mlp.gate_proj.weight"] = lin(inter, H)
         s[p + "mlp.up_proj.weight"] = lin(inter, H)
         s[p + "mlp.down_proj.weight"] = lin(H, inter)
+        if config.qkv_bias:
+            for x, size in (("q", config.q_size), ("k", config.kv_size), ("v", config.kv_size)):
+                s[p + f"self_attn.{x}_proj.bias"] = 0.1 * torch.randn(size, generator=g)
+        if config.o_bias:
+            s[p + "self_attn.o_proj.bias"] = 0.1 * torch.randn(H, generator=g)
+        if config.qk_norm:
+            for x in "qk":
+                s[p + f"self_attn.{x}_norm.weight"] = 1.0 + 0.1 * torch.randn(config.head_dim, generator=g)
     if not config.tie_word_embeddings:
         s["lm_head.weight"] = lin(config.vocab_size, H) * 4.0
     return s

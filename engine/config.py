@@ -5,10 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# the HF families the built-in engine serves: model_type -> architecture. Qwen2 and Qwen3 are Llama with
+# biases on q/k/v (Qwen2) or an RMSNorm over each head of q and k before RoPE (Qwen3); `--engine vllm`
+# serves every family vLLM does
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder (Llama 2/3, Mistral, TinyLlama, SmolLM2)."""
+    """The shape of a decoder of the Llama family (Llama 2/3, Mistral, TinyLlama, SmolLM2) or of its
+    close relatives Qwen2 (Qwen2.5) and Qwen3 (dense)."""
 
     vocab_size: int
     hidden_size: int
@@ -25,6 +32,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False  # q/k/v projections with biases (Qwen2; Llama and Qwen3's `attention_bias`)
+    o_bias: bool = False  # the output projection with a bias (Llama and Qwen3's `attention_bias`)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -48,19 +58,27 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         per_layer = (self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-                     + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size)
+                     + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+                     + self.qkv_bias * (self.q_size + 2 * self.kv_size) + self.o_bias * self.hidden_size
+                     + self.qk_norm * 2 * self.head_dim)
         embed = self.vocab_size * self.hidden_size
         return self.num_layers * per_layer + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """From an HF `config.json` dict of a Llama-family model."""
+        """From an HF `config.json` dict of a model of one of the `FAMILIES`."""
         archs = d.get("architectures") or ["LlamaForCausalLM"]
-        if d.get("model_type", "llama") not in ("llama", "mistral") and not any(
-            a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs
-        ):
-            raise ValueError(f"model_type {d.get('model_type')!r} is not a Llama-family model "
-                             "(supported: llama, mistral)")
+        family = d.get("model_type")
+        if family not in FAMILIES:  # a model_type of its own over a known architecture
+            family = next((f for f, a in FAMILIES.items() if a in archs), None)
+        if family is None:
+            served = ", ".join(FAMILIES)
+            raise ValueError(f"model_type {d.get('model_type')!r} ({', '.join(archs)}) is not served by the "
+                             f"built-in engine (it serves {served}); `--engine vllm` serves every family vLLM "
+                             "does")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias: the built-in engine serves MLPs without biases; use `--engine vllm`")
+        attention_bias = bool(d.get("attention_bias", False))  # (Qwen2 has no such key: its q/k/v always do)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_scaling = d.get("rope_scaling")
@@ -89,13 +107,19 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qkv_bias=attention_bias or family == "qwen2",
+            o_bias=attention_bias and family != "qwen2",
+            qk_norm=family == "qwen3",
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """The HF `config.json` dict that transformers' LlamaForCausalLM reads."""
+        """The HF `config.json` dict transformers reads: Llama's, or Qwen2's or Qwen3's for their traits."""
+        family = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias and not self.o_bias else "llama"
+        if self.o_bias and not self.qkv_bias:
+            raise ValueError("no HF family has an output projection bias without q/k/v biases")
         d: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [FAMILIES[family]],
+            "model_type": family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -109,7 +133,7 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
+            "attention_bias": self.o_bias,
             "mlp_bias": False,
             "torch_dtype": "float32",
         }

@@ -1,8 +1,9 @@
 """Reading a GGUF file (llama.cpp's format) into an HF-named fp32 state dict and a ModelConfig.
 
-Quantised tensors (Q4_1, Q8_0, ...) are dequantised with the `gguf` package. llama.cpp stores q_proj and
-k_proj with their rows permuted for its interleaved RoPE; we undo that so the weights follow the HF
-(rotate-half) convention that the rest of the engine and transformers use.
+Quantised tensors (Q4_1, Q8_0, ...) are dequantised with the `gguf` package. In its "llama" files llama.cpp
+stores q_proj and k_proj with their rows permuted for its interleaved RoPE; we undo that so the weights
+follow the HF (rotate-half) convention that the rest of the engine and transformers use. Its Qwen2 and
+Qwen3 files keep HF's order.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -40,6 +43,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     reader = GGUFReader(path)
     config = gguf_config(reader)
+    permuted = reader.fields["general.architecture"].contents() == "llama"
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         base, _, kind = t.name.rpartition(".")
@@ -53,9 +57,9 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         else:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if short == "attn_q":
+        if permuted and short == "attn_q":
             w = _unpermute(w, config.num_heads)
-        elif short == "attn_k":
+        elif permuted and short == "attn_k":
             w = _unpermute(w, config.num_kv_heads)
         state[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
     return config, state

@@ -21,7 +21,7 @@ def load_config(path: Path) -> ModelConfig:
 
 def model_limits(path: Path) -> tuple[int, int]:
     """(context length, vocabulary size) of any model family's checkpoint: what the doors validate against
-    (the built-in engine reads Llama-family configs only; vLLM serves every family)."""
+    (the built-in engine reads the configs of `engine.config.FAMILIES` only; vLLM serves every family)."""
     if path.suffix == ".gguf":
         config = load_config(path)
         return config.max_position_embeddings, config.vocab_size
@@ -35,13 +35,18 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp's names; its Mistral files are "llama"
+
+
 def gguf_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not served by the built-in engine (it serves "
+                         f"{', '.join(GGUF_ARCHITECTURES)}); `--engine vllm` reads GGUF files of other "
+                         "families")
 
     def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"llama.{key}", default)
+        return _field(reader, f"{arch}.{key}", default)
 
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
@@ -58,7 +63,8 @@ def gguf_config(reader: Any) -> ModelConfig:
         num_layers=meta("block_count"),
         num_heads=heads,
         num_kv_heads=meta("attention.head_count_kv", heads),
-        head_dim=meta("rope.dimension_count", hidden // heads),
+        # (Qwen3's heads are wider than hidden / heads; llama.cpp writes that as the key length)
+        head_dim=meta("attention.key_length") or meta("rope.dimension_count", hidden // heads),
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=meta("rope.freq_base", 10000.0),
         rope_scaling=scaling,
@@ -66,4 +72,7 @@ def gguf_config(reader: Any) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
     )

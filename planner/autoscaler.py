@@ -77,8 +77,8 @@ class RateWindow:
         if not earlier:
             return 0.0
         # the newest earlier scrape with enough requests since, else the oldest one kept
-        t_old, old = next(((t, c) for t, c in reversed(earlier) if newest[REQUESTS] - c[REQUESTS] >= self.min_requests),
-                          earlier[0])
+        enough = (s for s in reversed(earlier) if newest[REQUESTS] - s[1][REQUESTS] >= self.min_requests)
+        t_old, old = next(enough, earlier[0])
         return (newest[REQUESTS] - old[REQUESTS]) / (t_new - t_old) if t_new > t_old else 0.0
 
 

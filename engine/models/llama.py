@@ -1,4 +1,7 @@
-"""The Llama family (Llama 2/3, Mistral, TinyLlama, SmolLM2) over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, TinyLlama, SmolLM2) and Qwen2/Qwen3 over a paged KV cache.
+
+Qwen2 is Llama with biases on q/k/v; Qwen3 is Llama with an RMSNorm over each head of q and k before
+RoPE (`ModelConfig.qkv_bias`, `qk_norm`).
 
 Weights are plain tensors (matrices wrapped in `Matmul`), not nn.Modules: a decode step at batch 1 is
 bound by reading the weights, and per-module Python overhead is what separates a naive implementation from
@@ -34,15 +37,16 @@ class Matmul:
     batch 8, prefill 1.5-2x. Other devices and dtypes: F.linear.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.nbytes = weight.numel() * weight.element_size()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.nbytes = sum(t.numel() * t.element_size() for t in (weight, bias) if t is not None)
         self.packed = _can_pack(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return _packed(torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], ""))
-        return F.linear(x, self.weight)
+            return _packed(torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], ""))
+        return F.linear(x, self.weight, self.bias)
 
     # NOTE: the fused variants below run the pointwise op as a oneDNN post-op of the matmul, so a decode
     # step pays one op (and one pass over the output) instead of two; elsewhere they are the plain ops.
@@ -50,20 +54,20 @@ class Matmul:
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ weight.T)"""
         if self.packed:
-            return _packed(torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "swish", [], ""))
-        return F.silu(F.linear(x, self.weight))
+            return _packed(torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "swish", [], ""))
+        return F.silu(F.linear(x, self.weight, self.bias))
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """x @ weight.T + other (a residual)"""
         if self.packed:
-            return _packed(torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "add"))
-        return torch.add(F.linear(x, self.weight), other)
+            return _packed(torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add"))
+        return torch.add(F.linear(x, self.weight, self.bias), other)
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ weight.T) * other"""
         if self.packed:
-            return _packed(torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "mul"))
-        return torch.mul(F.linear(x, self.weight), other)
+            return _packed(torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "mul"))
+        return torch.mul(F.linear(x, self.weight, self.bias), other)
 
 
 def _packed(out: Any) -> torch.Tensor:
@@ -88,7 +92,9 @@ class LayerWeights:
     gate: Matmul  # [intermediate, hidden], MLP norm folded in
     up: Matmul  # [intermediate, hidden], MLP norm folded in
     down: Matmul  # [hidden, intermediate]
-    norm_bytes: int  # the two norm weights' bytes (what an unfused model reads; counted for the roofline)
+    norm_bytes: int  # the norm weights' bytes (what an unfused model reads; counted for the roofline)
+    # [num_heads + num_kv_heads, head_dim]: q_norm's weight for each q head, then k_norm's (Qwen3)
+    qk_norm: torch.Tensor | None
 
 
 class LlamaForCausalLM:
@@ -103,13 +109,25 @@ class LlamaForCausalLM:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return state_dict[name].to(device=device, dtype=dtype)
 
-        def t(*names: str, norm: str | None = None) -> Matmul:
-            """[out, in] matrices, fused along out, with the RMSNorm `norm` (if any) folded into columns."""
+        def t(*names: str, norm: str | None = None, bias: bool = False) -> Matmul:
+            """[out, in] matrices, fused along out, with the RMSNorm `norm` (if any) folded into columns, and
+            their biases (`bias`: `*.bias` beside each `*.weight`) fused likewise (W (g x) + b: untouched)."""
             m = torch.cat([state_dict[n].float() for n in _present(state_dict, *names)])
             if norm is not None:
                 # in float32, then cast once: the folded weight rounds like one product, not two
                 m = m * (state_dict[norm].float() * config.hidden_size ** 0.5)
-            return Matmul(m.to(device=device, dtype=dtype).contiguous())
+            b = None
+            if bias:
+                b = torch.cat([state_dict[n] for n in _present(state_dict, *(n.removesuffix("weight") + "bias"
+                                                                            for n in names))])
+                b = b.to(device=device, dtype=dtype).contiguous()
+            return Matmul(m.to(device=device, dtype=dtype).contiguous(), b)
+
+        def qk_norm(p: str) -> torch.Tensor | None:
+            if not config.qk_norm:
+                return None
+            q, k = w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")
+            return torch.cat([q.expand(config.num_heads, -1), k.expand(config.num_kv_heads, -1)]).contiguous()
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         tied = config.tie_word_embeddings or "lm_head.weight" not in state_dict
@@ -120,12 +138,15 @@ class LlamaForCausalLM:
             p = f"model.layers.{i}."
             attn_norm, mlp_norm = p + "input_layernorm.weight", p + "post_attention_layernorm.weight"
             self.layers.append(LayerWeights(
-                qkv=t(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"), norm=attn_norm),
-                o=t(p + "self_attn.o_proj.weight"),
+                qkv=t(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"), norm=attn_norm,
+                      bias=config.qkv_bias),
+                o=t(p + "self_attn.o_proj.weight", bias=config.o_bias),
                 gate=t(p + "mlp.gate_proj.weight", norm=mlp_norm),
                 up=t(p + "mlp.up_proj.weight", norm=mlp_norm),
                 down=t(p + "mlp.down_proj.weight"),
-                norm_bytes=2 * config.hidden_size * torch.empty((), dtype=dtype).element_size(),
+                norm_bytes=(2 * config.hidden_size + config.qk_norm * 2 * config.head_dim)
+                * torch.empty((), dtype=dtype).element_size(),
+                qk_norm=qk_norm(p),
             ))
         self.norm_bytes = config.hidden_size * torch.empty((), dtype=dtype).element_size()
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling,
@@ -154,6 +175,8 @@ class LlamaForCausalLM:
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(unit_rms(h, eps))  # [T, q_size + 2 * kv_size]
             qk = qkv[:, :c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
+            if layer.qk_norm is not None:
+                qk = head_rms(qk, layer.qk_norm, c.rms_norm_eps)
             qk = self.rope.rotate(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, c.q_size + c.kv_size:].view(T, c.num_kv_heads, c.head_dim)
@@ -176,6 +199,13 @@ def unit_rms(h: torch.Tensor, eps: float) -> torch.Tensor:
     x = h.float()  # bf16/fp16: the sum of squares in float32, as HF does
     inv = torch.linalg.vecdot(x, x).unsqueeze(-1).add_(eps).rsqrt_()
     return (x * inv).to(h.dtype)
+
+
+def head_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (each head's vector), in float32 as HF's, times `weight` (per head, dim)."""
+    f = x.float()
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * f.to(x.dtype)
 
 
 def _present(state_dict: dict[str, torch.Tensor], *names: str) -> tuple[str, ...]:

@@ -22,3 +22,22 @@ def test_a_header_timeout_of_zero_is_refused_naming_the_flag():
     assert config("--http-header-timeout", "2.5").http_header_timeout == 2.5
     with pytest.raises(ValueError, match="--http-header-timeout must be > 0"):
         config("--http-header-timeout", "0")
+
+
+def test_a_model_family_the_built_in_engine_cannot_run_stops_serve_before_any_door_or_worker(tmp_path):
+    """An operator brings a Gemma checkpoint and forgets `--engine vllm`: refused at once, naming the family
+    and the flag, where each worker would otherwise fail to load it in turn."""
+    import asyncio
+    import json
+
+    from control.config import ServeConfig
+    from control.console import ServeError
+    from control.server import Server
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 300,
+        "max_position_embeddings": 512}))
+    server = Server(ServeConfig(model=str(tmp_path), port=0, metrics_port=None, http_port=None))
+    with pytest.raises(ServeError, match=r"--model .*'gemma3_text'.*--engine vllm"):
+        asyncio.run(server.start())
+    assert server.grpc is None

@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 
 from engine import LLM
 from engine.checkpoint import byte_tokenizer, random_state_dict, write_checkpoint
+from engine.config import ModelConfig
 from engine.hub import TINY_RANDOM_CONFIG
 from tests.engine.helpers import greedy, make_engine, rel_err, run_capturing_logits
 
@@ -63,6 +64,129 @@ def test_llama_family_variants_match_hf(tmp_path, variant):
     hf = LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     # a prompt longer than original_max_position_embeddings so the llama3 long-wavelength branch matters
     assert_logits_match(engine, hf, [(7 * i) % 250 for i in range(90)], max_tokens=8)
+
+
+@pytest.mark.parametrize("traits", [
+    {"qkv_bias": True},  # Qwen2 (Qwen2.5): biases on q/k/v
+    {"qk_norm": True, "head_dim": 32},  # Qwen3: q and k normed per head; a head wider than hidden / heads
+    {"qk_norm": True, "qkv_bias": True, "o_bias": True},  # Qwen3 with attention_bias
+    {"qkv_bias": True, "o_bias": True},  # Llama with attention_bias
+], ids=["qwen2", "qwen3", "qwen3-attention-bias", "llama-attention-bias"])
+def test_qwen_families_and_attention_biases_match_hf(tmp_path, traits):
+    from transformers import AutoModelForCausalLM
+
+    config = dataclasses.replace(TINY_RANDOM_CONFIG, **traits)
+    write_checkpoint(tmp_path, config, random_state_dict(config, seed=2), byte_tokenizer(""))
+    engine = make_engine(str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    assert type(hf).__name__ == config.to_hf()["architectures"][0]
+    assert_logits_match(engine, hf, [(5 * i) % 250 for i in range(40)], max_tokens=8)
+
+
+def _randomise(hf) -> None:
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            scale = p.shape[-1] ** -0.5
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_model_transformers_wrote_itself_loads_and_matches_it(tmp_path, family):
+    """The config.json and weights as transformers saves them (not our writer): every key the engine reads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(
+        family, vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6,
+        tie_word_embeddings=True,
+        bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
+    _randomise(hf)  # HF initialises biases to 0 and norms to 1: make every term count
+    hf.save_pretrained(tmp_path)
+    byte_tokenizer("").save_pretrained(str(tmp_path))
+    engine = make_engine(str(tmp_path))
+    c = engine.model_config
+    expected = {"qwen2": (True, False, True), "qwen3": (False, True, True)}[family]
+    assert (c.qkv_bias, c.qk_norm, c.tie_word_embeddings) == expected
+    assert_logits_match(engine, hf, [(3 * i) % 250 for i in range(40)], max_tokens=8)
+
+
+def _write_gguf(hf, path, arch: str) -> None:
+    """`hf`'s weights as llama.cpp's converter writes a Qwen2/Qwen3 file (float32; q and k in HF's order),
+    with a byte-level BPE vocabulary."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    c = hf.config
+    tokens = [*bytes_to_unicode().values(), "Ġt", "he", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert len(tokens) == c.vocab_size
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 258 + [3] * 3)
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_bos_token_id(258)
+    w.add_eos_token_id(260)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k",
+             "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    for name, t in hf.state_dict().items():
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "lm_head":
+            gguf_name = f"output.{parts[-1]}"
+        elif parts[0] == "layers":
+            gguf_name = f"blk.{parts[1]}.{names[parts[-2]]}.{parts[-1]}"
+        else:
+            gguf_name = f"{names[parts[0]]}.{parts[-1]}"
+        w.add_tensor(gguf_name, np.ascontiguousarray(t.float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_gguf_file_loads_and_matches_transformers_reading_the_same_file(tmp_path, family):
+    """llama.cpp keeps Qwen's q and k rows in HF's order (it permutes only its "llama" files); transformers'
+    own GGUF reader is the reference."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # NOTE: transformers' GGUF reader takes Qwen3's head_dim from its config's default (128), not the file
+    hf_config = AutoConfig.for_model(
+        family, vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128 if family == "qwen3" else 32,
+        max_position_embeddings=512,
+        rope_theta=1e6, tie_word_embeddings=False, bos_token_id=258, eos_token_id=260)
+    torch.manual_seed(4)
+    source = AutoModelForCausalLM.from_config(hf_config).eval()
+    _randomise(source)
+    _write_gguf(source, tmp_path / "model.gguf", family)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    engine = make_engine(str(tmp_path / "model.gguf"))
+    assert engine.model_config.head_dim == hf_config.head_dim
+    assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
+
+
+def test_a_family_the_built_in_engine_does_not_serve_is_refused_naming_it_and_the_way_out():
+    with pytest.raises(ValueError, match=r"'gemma3'.*qwen3.*--engine vllm"):
+        ModelConfig.from_hf({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]})
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf({**TINY_RANDOM_CONFIG.to_hf(), "mlp_bias": True})
 
 
 @pytest.mark.slow
