@@ -91,7 +91,7 @@ class Server:
         # a family the built-in engine cannot run fails here, not in each worker in turn
         if "builtin" in {c.pool_engine(k) for k in PoolKind}:
             try:
-                load_config(path)
+                context = min(context, load_config(path).max_position_embeddings)  # (a sliding window's cap)
             except ValueError as e:
                 raise ServeError(f"--model {c.model}: {e}") from e
         tokenizer = Tokenizer(path)

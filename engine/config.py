@@ -79,6 +79,13 @@ class ModelConfig:
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias: the built-in engine serves MLPs without biases; use `--engine vllm`")
         attention_bias = bool(d.get("attention_bias", False))  # (Qwen2 has no such key: its q/k/v always do)
+        context = d.get("max_position_embeddings", 2048)
+        # NOTE: sliding-window attention (Mistral 7B v0.1; Qwen2 with use_sliding_window) equals full attention
+        # up to the window. The built-in engine attends over everything, so it serves such a model up to its
+        # window, exactly, rather than past it, wrongly.
+        window = d.get("sliding_window")
+        if window and (family == "mistral" or d.get("use_sliding_window")):
+            context = min(context, window)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_scaling = d.get("rope_scaling")
@@ -103,7 +110,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=context,
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -182,6 +182,17 @@ def test_a_qwen_gguf_file_loads_and_matches_transformers_reading_the_same_file(t
     assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
 
 
+def test_a_sliding_window_model_is_served_up_to_its_window_where_full_attention_equals_it():
+    base = {**TINY_RANDOM_CONFIG.to_hf(), "max_position_embeddings": 32768}
+    assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 4096}).max_position_embeddings \
+        == 4096
+    assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_position_embeddings \
+        == 32768
+    qwen2 = {**base, "model_type": "qwen2", "sliding_window": 4096}
+    assert ModelConfig.from_hf({**qwen2, "use_sliding_window": False}).max_position_embeddings == 32768
+    assert ModelConfig.from_hf({**qwen2, "use_sliding_window": True}).max_position_embeddings == 4096
+
+
 def test_a_family_the_built_in_engine_does_not_serve_is_refused_naming_it_and_the_way_out():
     with pytest.raises(ValueError, match=r"'gemma3'.*qwen3.*--engine vllm"):
         ModelConfig.from_hf({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]})
