@@ -131,7 +131,7 @@ class ServeConfig:
             raise ValueError("--speculative is the built-in engine's; it cannot be combined with --engine vllm")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
-        if self.kv_cache_dtype is not None and "vllm" in {self.pool_engine(k) for k in PoolKind}:
+        if self.kv_cache_dtype is not None and "vllm" in self.engines():
             raise ValueError("--kv-cache-dtype is the built-in engine's; a vLLM engine keeps its KV in the model's "
                              "dtype (use --dtype)")
         for name in ("prefill_workers", "decode_workers", "colocated_workers"):
@@ -216,6 +216,11 @@ class ServeConfig:
         """The engine a pool's workers run."""
         own = {PoolKind.PREFILL: self.prefill_engine, PoolKind.DECODE: self.decode_engine}.get(kind)
         return own or self.engine
+
+    def engines(self) -> set[str]:
+        """The engines this deployment's pools run (colocated, or prefill and decode)."""
+        kinds = [PoolKind.COLOCATED] if self.colocated_workers else [PoolKind.PREFILL, PoolKind.DECODE]
+        return {self.pool_engine(k) for k in kinds}
 
     @property
     def kv_block_size(self) -> int:

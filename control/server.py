@@ -21,7 +21,6 @@ from control.launcher import ray_launcher
 from engine.hub import resolve_model
 from engine.model_files import load_config, model_limits
 from engine.tokenizer import Tokenizer
-from protocol import PoolKind
 from protocol.kv_config import KVTransferConfig
 from protocol.messages import RouterId
 from protos.pdserve.v1 import admin_pb2_grpc
@@ -87,13 +86,13 @@ class Server:
 
             refuse_taken_port(c.port)  # before binding: SO_REUSEPORT would let this one take its connections
         path = resolve_model(c.model)  # download/convert once, here, before any worker looks for it
-        context, vocab_size = model_limits(path)
-        # a family the built-in engine cannot run fails here, not in each worker in turn
-        if "builtin" in {c.pool_engine(k) for k in PoolKind}:
-            try:
+        try:
+            context, vocab_size = model_limits(path)
+            # a family the built-in engine cannot run fails here, not in each worker in turn
+            if "builtin" in c.engines():
                 context = min(context, load_config(path).max_position_embeddings)  # (a sliding window's cap)
-            except ValueError as e:
-                raise ServeError(f"--model {c.model}: {e}") from e
+        except ValueError as e:
+            raise ServeError(f"--model {c.model}: {e}") from e
         tokenizer = Tokenizer(path)
         max_model_len = min(c.max_model_len or context, context)
         limits = Limits(max_model_len=max_model_len, vocab_size=vocab_size)

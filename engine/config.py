@@ -10,6 +10,9 @@ from typing import Any
 # serves every family vLLM does
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM"}
+# the RoPE scalings it computes, besides none (`engine.models.rope`); "freq_factors" is a GGUF file's
+# `rope_freqs` tensor (llama.cpp's form of Llama 3.1's scaling): each frequency divided by its factor
+ROPE_TYPES = ("linear", "llama3", "freq_factors")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,12 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        kind = self.rope_scaling and self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        if kind and kind not in ROPE_TYPES:  # (YaRN, dynamic NTK, ...: wrong at every length if ignored)
+            raise ValueError(f"rope_scaling type {kind!r} is not computed by the built-in engine (it computes "
+                             f"{', '.join(ROPE_TYPES)}); `--engine vllm` serves it")
+        if self.qk_norm and self.qkv_bias != self.o_bias:
+            raise ValueError("a Qwen3-style model (qk_norm) has biases on q/k/v and o together or on none")
 
     @property
     def q_size(self) -> int:
@@ -76,6 +85,9 @@ class ModelConfig:
             raise ValueError(f"model_type {d.get('model_type')!r} ({', '.join(archs)}) is not served by the "
                              f"built-in engine (it serves {served}); `--engine vllm` serves every family vLLM "
                              "does")
+        if not any(a.endswith("ForCausalLM") for a in archs):  # (a reward or classification head: no lm_head)
+            raise ValueError(f"architectures {archs}: the built-in engine serves causal language models "
+                             "(*ForCausalLM) only")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias: the built-in engine serves MLPs without biases; use `--engine vllm`")
         attention_bias = bool(d.get("attention_bias", False))  # (Qwen2 has no such key: its q/k/v always do)
@@ -107,7 +119,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),  # (transformers' default for all four)
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
             max_position_embeddings=context,

@@ -50,12 +50,12 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         if base.startswith("blk."):
             _, layer, short = base.split(".", 2)
             if short not in _LAYER_NAMES:
-                continue  # e.g. rope_freqs: recomputed from the config
+                continue
             name = f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}"
         elif base in _GLOBAL_NAMES:
             name, short = f"{_GLOBAL_NAMES[base]}.{kind}", base
         else:
-            continue
+            continue  # (rope_freqs: the config's rope scaling, `gguf_config`)
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if permuted and short == "attn_q":
             w = _unpermute(w, config.num_heads)

@@ -42,8 +42,7 @@ def gguf_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not served by the built-in engine (it serves "
-                         f"{', '.join(GGUF_ARCHITECTURES)}); `--engine vllm` reads GGUF files of other "
-                         "families")
+                         f"{', '.join(GGUF_ARCHITECTURES)}); serve the model's HF directory with `--engine vllm`")
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -52,9 +51,21 @@ def gguf_config(reader: Any) -> ModelConfig:
     heads = meta("attention.head_count")
     names = {t.name for t in reader.tensors}
     vocab = meta("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    scaling = None
-    if meta("rope.scaling.type") == "linear":
+    scaling: dict[str, Any] | None = None
+    kind = meta("rope.scaling.type")
+    if kind == "linear":
         scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    elif kind not in (None, "none"):  # (YaRN: wrong at every length if ignored)
+        raise ValueError(f"GGUF rope scaling {kind!r} is not computed by the built-in engine (it computes "
+                         "linear and Llama 3.1's); serve the model's HF directory with `--engine vllm`")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.1's scaling as llama.cpp writes it: a divisor per frequency
+        if scaling is not None:
+            raise ValueError("a GGUF file with both rope_freqs and a rope scaling type: not served")
+        from gguf.quants import dequantize
+
+        factors = dequantize(freqs.data, freqs.tensor_type).astype("float32").ravel()
+        scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=vocab,

@@ -58,7 +58,9 @@ class RateWindow:
     1/sqrt(n): one 15 s interval at 0.1 req/s sees 0-3 requests, which read as rates from 0 to 0.2 and had a
     pool flap up and down in a low phase (docs/planner.md, autoscale run 1). The window reaches back over
     the newest intervals until they hold `min_requests` (8: about 35%), and never more than
-    `max_intervals`, so a rate step still shows within an interval or two."""
+    `max_intervals`. A step up shows at once (the newest interval alone holds enough); after a fall the
+    window reaches back into the busier intervals until the quiet ones hold 8 requests, so it reads high for
+    a few intervals: it errs towards holding workers, as scale-downs do (`ScalePolicy.down_after`)."""
 
     min_requests: int = 8
     max_intervals: int = 6
@@ -70,6 +72,8 @@ class RateWindow:
 
     def add(self, t: float, counters: Mapping[str, float]) -> float:
         """Record a scrape taken at `t` (seconds); returns the windowed rate (0 until two scrapes)."""
+        if any(c[REQUESTS] > counters[REQUESTS] for _, c in self.scrapes):  # a restarted router counts from 0
+            self.scrapes.clear()
         self.scrapes.append((t, counters))
         while len(self.scrapes) > self.max_intervals + 1:
             self.scrapes.popleft()

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from engine.config import ROPE_TYPES
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -15,6 +17,8 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
         factor = scaling["factor"]
@@ -27,7 +31,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 
 class RotaryEmbedding:

@@ -41,3 +41,12 @@ def test_a_model_family_the_built_in_engine_cannot_run_stops_serve_before_any_do
     with pytest.raises(ServeError, match=r"--model .*'gemma3_text'.*--engine vllm"):
         asyncio.run(server.start())
     assert server.grpc is None
+
+
+def test_the_engines_a_deployment_runs_are_those_of_its_pools():
+    from control.config import ServeConfig
+
+    assert ServeConfig(model="m", prefill_engine="vllm", decode_engine="vllm").engines() == {"vllm"}
+    assert ServeConfig(model="m").engines() == {"builtin"}
+    assert ServeConfig(model="m", engine="vllm", prefill_workers=0, decode_workers=0,
+                       colocated_workers=1).engines() == {"vllm"}

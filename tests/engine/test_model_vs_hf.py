@@ -112,9 +112,9 @@ def test_a_model_transformers_wrote_itself_loads_and_matches_it(tmp_path, family
     assert_logits_match(engine, hf, [(3 * i) % 250 for i in range(40)], max_tokens=8)
 
 
-def _write_gguf(hf, path, arch: str) -> None:
-    """`hf`'s weights as llama.cpp's converter writes a Qwen2/Qwen3 file (float32; q and k in HF's order),
-    with a byte-level BPE vocabulary."""
+def _write_gguf(hf, path, arch: str, rope_freqs=None) -> None:
+    """`hf`'s weights as llama.cpp's converter writes them (float32; q and k rows permuted for its interleaved
+    RoPE in "llama" files only), with a byte-level BPE vocabulary; `rope_freqs`: Llama 3.1's factors."""
     import numpy as np
     from gguf import GGUFWriter
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -131,6 +131,7 @@ def _write_gguf(hf, path, arch: str) -> None:
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
@@ -144,8 +145,16 @@ def _write_gguf(hf, path, arch: str) -> None:
              "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k",
              "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.ascontiguousarray(rope_freqs.float().numpy()))
+
+    def permute(x, heads: int):  # llama.cpp's convert_hf_to_gguf `permute`: rotate-half to interleaved
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
     for name, t in hf.state_dict().items():
         parts = name.removeprefix("model.").split(".")
+        if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):
+            t = permute(t, c.num_attention_heads if parts[-2] == "q_proj" else c.num_key_value_heads)
         if parts[0] == "lm_head":
             gguf_name = f"output.{parts[-1]}"
         elif parts[0] == "layers":
@@ -182,6 +191,26 @@ def test_a_qwen_gguf_file_loads_and_matches_transformers_reading_the_same_file(t
     assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
 
 
+def test_a_llama_3_1_gguf_file_with_rope_freqs_matches_transformers_on_the_hf_directory(tmp_path):
+    """llama.cpp writes Llama 3.1's RoPE scaling as a `rope_freqs` tensor (a divisor per frequency), not as
+    config: read, it gives the logits transformers computes from the HF directory's llama3 rope_scaling."""
+    config = dataclasses.replace(
+        TINY_RANDOM_CONFIG, vocab_size=261, bos_token_id=258, eos_token_ids=(260,), rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})
+    write_checkpoint(tmp_path / "hf", config, random_state_dict(config, seed=6), byte_tokenizer(""))
+    hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+    d = config.head_dim
+    plain = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2).float() / d))
+    factors = plain / hf.model.rotary_emb.inv_freq  # (what llama.cpp's converter computes and stores)
+    assert factors.max() > 4  # the long wavelengths are scaled
+    _write_gguf(hf, tmp_path / "llama31.gguf", "llama", rope_freqs=factors)
+    engine = make_engine(str(tmp_path / "llama31.gguf"))
+    assert engine.model_config.rope_scaling["rope_type"] == "freq_factors"
+    # past original_max_position_embeddings, where the scaled frequencies matter most
+    assert_logits_match(engine, hf, [(7 * i) % 250 for i in range(90)], max_tokens=8)
+
+
 def test_a_sliding_window_model_is_served_up_to_its_window_where_full_attention_equals_it():
     base = {**TINY_RANDOM_CONFIG.to_hf(), "max_position_embeddings": 32768}
     assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 4096}).max_position_embeddings \
@@ -198,6 +227,11 @@ def test_a_family_the_built_in_engine_does_not_serve_is_refused_naming_it_and_th
         ModelConfig.from_hf({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]})
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf({**TINY_RANDOM_CONFIG.to_hf(), "mlp_bias": True})
+    with pytest.raises(ValueError, match=r"'yarn' is not computed by the built-in engine.*--engine vllm"):
+        ModelConfig.from_hf({**TINY_RANDOM_CONFIG.to_hf(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"causal language models \(\*ForCausalLM\) only"):
+        ModelConfig.from_hf({**TINY_RANDOM_CONFIG.to_hf(), "model_type": "qwen2",
+                             "architectures": ["Qwen2ForRewardModel"]})
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def test_the_rate_at_low_traffic_is_read_over_enough_requests_and_a_step_still_s
     raw = [n / 15 for n in low]
     windowed = _feed(RateWindow(), low)
     assert max(raw) - min(raw) == pytest.approx(0.2)
-    # once the window has filled (the raw rates swing from 0 to 0.2): 0.11-0.13
+    # once the window has filled (the raw rates swing from 0 to 0.2): 0.10-0.14
     assert max(windowed[5:]) - min(windowed[5:]) < 0.05
     assert all(0.08 <= r <= 0.14 for r in windowed[5:]), windowed
     # a step to 2 req/s: 30 requests in the next interval are enough on their own
@@ -82,6 +82,15 @@ def test_the_rate_at_low_traffic_is_read_over_enough_requests_and_a_step_still_s
     assert _feed(RateWindow(min_requests=100, max_intervals=3), [1, 1, 1, 1, 4])[-1] == pytest.approx(6 / 45)
     assert _feed(RateWindow(), [3])[-1] == pytest.approx(3 / 15)
     assert RateWindow().add(0.0, {REQUESTS: 5}) == 0.0
+    # a fall reads high for a few intervals (it errs towards holding workers), then low
+    falling = _feed(RateWindow(), [30, 30, 1, 2, 1, 2, 1, 2, 1, 2])
+    assert falling[2] > 0.5 and falling[-1] == pytest.approx(8 / 75)
+    # a router that restarted counts from 0 again: the window starts over, never a negative rate
+    window = RateWindow()
+    for t, n in ((0.0, 100), (15.0, 130), (30.0, 3), (45.0, 12)):
+        rate = window.add(t, {REQUESTS: n})
+        assert rate >= 0.0
+    assert rate == pytest.approx(9 / 15)
     with pytest.raises(ValueError):
         RateWindow(min_requests=0)
 
