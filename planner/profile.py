@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import platform
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 VERSION = 1
+LONG_INTERFERENCE_TOKENS = 1280  # the prompt `interference` is measured with (`planner.profiler`)
 
 
 def _positive(obj: object, *names: str, allow_zero: bool = True) -> None:
@@ -127,6 +129,10 @@ class Profile:
     # on a shared machine, what each other worker computing at the same time adds to a step (a fraction:
     # memory bandwidth and caches are shared even when cores are not); 0 with a device each
     interference: float = 0.0
+    # the same for a short prefill, (its prompt tokens, stretch): bound by reading the weights as a decode step
+    # is, it loses more to a decoding neighbour than a long, compute-bound one; between the two lengths the
+    # stretch is interpolated on log(tokens) (`interference_at`). None: `interference` at every length
+    short_interference: tuple[int, float] | None = None
     source: str = "measured"  # or how it was derived ("scaled from ... by ...")
     samples: dict[str, Any] = field(default_factory=dict)  # the raw measurements the constants were fitted to
     version: int = VERSION
@@ -136,8 +142,27 @@ class Profile:
             raise ValueError(f"profile version {self.version} is not {VERSION}: take the profile again")
         if self.interference < 0:
             raise ValueError(f"interference must be >= 0, got {self.interference}")
+        if self.short_interference is not None:
+            tokens, stretch = self.short_interference
+            if tokens < 1 or stretch < 0:
+                raise ValueError(f"short_interference must be (tokens >= 1, stretch >= 0), got "
+                                 f"{self.short_interference}")
+            object.__setattr__(self, "short_interference", (int(tokens), float(stretch)))  # (JSON: a list)
         if self.shared_cores is not None and not self.shared_cores > 0:
             raise ValueError(f"shared_cores must be > 0 or null, got {self.shared_cores}")
+
+    def interference_at(self, prompt_tokens: int) -> float:
+        """The stretch each other computing worker adds to a prefill of `prompt_tokens` (`interference` for
+        a long one; see `short_interference`)."""
+        if self.short_interference is None:
+            return self.interference
+        short, stretch = self.short_interference
+        if prompt_tokens <= short:
+            return stretch
+        if prompt_tokens >= LONG_INTERFERENCE_TOKENS:
+            return self.interference
+        x = math.log(prompt_tokens / short) / math.log(LONG_INTERFERENCE_TOKENS / short)
+        return stretch + x * (self.interference - stretch)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

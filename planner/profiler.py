@@ -11,8 +11,9 @@ unless asked for):
 2. the router: client TTFT less the server's queue + prefill, at idle;
 3. KV transfer: `timing.kv_transfer_seconds` (what is left of the push after the last chunk) against the
    last chunk's bytes; and the router's own measured link rate, recorded beside it;
-4. interference: a batch decoding while long prompts prefill: how much two workers computing at once
-   stretch each other's steps on this machine (memory bandwidth, caches), beyond sharing its cores;
+4. interference: a batch decoding while long prompts prefill, then while chat-sized ones do: how much two
+   workers computing at once stretch each other's steps on this machine (memory bandwidth, caches), beyond
+   sharing its cores; a short prefill, bound by the weights it reads, loses more than a long one;
 5. decode: B requests at once (B = 1-32, short prompts; B = 2 and 8 with long ones), the median client
    gap between tokens as the step at batch B and context B x (prompt + half the output), fitted as a line
    in batch and context; the router's CPU per token relayed (this process's CPU over the tokens: router
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from planner.fitting import fit_nonnegative, relative_errors
 from planner.profile import (
+    LONG_INTERFERENCE_TOKENS,
     DecodeCost,
     EngineSettings,
     PrefillCost,
@@ -47,7 +49,9 @@ PREFILL_LENGTHS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280)
 CACHED_CASES = ((512, 64), (1024, 64), (1024, 512))  # (prompt tokens, uncached tail)
 DECODE_BATCHES = ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (2, 768), (8, 768))  # (batch, prompt)
 DECODE_OUTPUT = 48
-INTERFERENCE_PROMPT, INTERFERENCE_BATCH = 1280, 4  # a long prompt prefilling beside a decoding batch
+# a long prompt prefilling beside a decoding batch, and a chat-sized one
+INTERFERENCE_PROMPT, INTERFERENCE_BATCH = LONG_INTERFERENCE_TOKENS, 4
+SHORT_INTERFERENCE_PROMPT = 128
 REPEATS = 2
 
 
@@ -141,20 +145,22 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
         _log(f"[decode {i + 1}/{len(DECODE_BATCHES)}] batch {b}, {p}-token prompts: step "
              f"{decode[-1]['gap_p50_s'] * 1e3:.1f} ms")
     interference = await measure_interference(probe)
-    samples = {"interference": interference, "prefill": [s.__dict__ | {"gaps": None} for s in prefill],
+    short = await measure_interference(probe, SHORT_INTERFERENCE_PROMPT)
+    samples = {"interference": interference, "short_interference": short, "prefill": [s.__dict__ | {"gaps": None} for s in prefill],
                "cached": [s.__dict__ | {"gaps": None} for s in cached], "decode": decode}
     return samples, cpu / max(1, tokens)
 
 
-async def measure_interference(probe: Prober) -> dict:
-    """Decode steps while the prefill worker computes long prompts, and those prompts' prefill while the
-    decode worker steps: what two workers computing at once cost each other on this machine."""
+async def measure_interference(probe: Prober, prompt_len: int = INTERFERENCE_PROMPT) -> dict:
+    """Decode steps while the prefill worker computes prompts of `prompt_len`, one after another, and those
+    prompts' prefill while the decode worker steps: what two workers computing at once cost each other on
+    this machine."""
     stop = asyncio.Event()
     prompts: list[Sample] = []
 
     async def prefill_load() -> None:
         while not stop.is_set():
-            prompts.append(await probe.one(probe.tokens(INTERFERENCE_PROMPT), 2))
+            prompts.append(await probe.one(probe.tokens(prompt_len), 2))
 
     background = asyncio.ensure_future(prefill_load())
     await asyncio.sleep(0.5)  # the first long prompt is computing
@@ -163,9 +169,9 @@ async def measure_interference(probe: Prober) -> dict:
     await background
     gaps = [g for s in got for g in s.gaps]
     out = {"batch": INTERFERENCE_BATCH, "gap_p50_s": statistics.median(gaps),
-           "prompt_len": INTERFERENCE_PROMPT, "prefill_s": [s.server_prefill_s for s in prompts]}
+           "prompt_len": prompt_len, "prefill_s": [s.server_prefill_s for s in prompts]}
     _log(f"[interference] batch {INTERFERENCE_BATCH} step {out['gap_p50_s'] * 1e3:.1f} ms beside "
-         f"{len(prompts)} prefills of {INTERFERENCE_PROMPT} tokens")
+         f"{len(prompts)} prefills of {prompt_len} tokens")
     return out
 
 
@@ -210,9 +216,17 @@ def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, mod
                                                   prefill_features(inter["prompt_len"], 0, chunk)))
         interference = overlap_stretch(statistics.median(inter["prefill_s"]) - solo_prefill,
                                        (DECODE_OUTPUT - 1) * inter["gap_p50_s"])
+    short = samples.get("short_interference")
+    short_interference = None
+    if short and short["prefill_s"]:
+        # a short prefill runs whole beside the batch: all of it overlaps
+        solo = sum(c * f for c, f in zip((step_s, token_s, attention_s),
+                                         prefill_features(short["prompt_len"], 0, chunk)))
+        took = statistics.median(short["prefill_s"])
+        short_interference = (short["prompt_len"], overlap_stretch(took - solo, took))
     p = Profile(model, machine_info(), utc_now(), prefill, decode,
                 TransferCost(bytes_per_token, link, latency), RouterCost(max(0.0, router_s), cpu_per_token_s),
-                engine, shared_cores, interference=interference)
+                engine, shared_cores, interference=interference, short_interference=short_interference)
     checks = {
         "prefill_fit_error_median": statistics.median(relative_errors(
             [sum(c * f for c, f in zip((step_s, token_s, attention_s), r)) for r in rows],

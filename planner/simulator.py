@@ -12,7 +12,8 @@ decode), KV pushed per chunk over the pair's link (a link carries one push at a 
 (a prompt longer than two steps of prompt tokens gets its decode blocks when its prefill is done; none free:
 it waits there), the router's admission queue (no decode worker with room: wait), and, on a CPU profile,
 workers sharing `shared_cores` cores (a step that starts while k workers compute takes k/cores as long,
-or `interference` longer for each of the others, whichever is more: shared memory bandwidth; the router's
+or `interference` longer for each of the others, whichever is more: shared memory bandwidth, which costs a
+short prompt's chunks more, `Profile.interference_at`; the router's
 CPU for the tokens it relays comes off those cores), and a decode reservation made at placement waiting
 for the decode worker's step in progress (the worker takes the call between steps) before the prefill starts.
 
@@ -206,7 +207,7 @@ class Simulation:
         if w.step is not None or not w.has_work:
             return
         self.computing += 1
-        step = w.plan_step(self.slowdown())
+        step = w.plan_step(self.slowdown(), self.slowdown)
         w.step_ends_at = self.now + step.duration_s
         self.at(w.step_ends_at, lambda: self.end_step(w))
 
@@ -220,15 +221,16 @@ class Simulation:
         router = self.profile.router.token_s * sum(r.output_len for r in self.trace.requests) / span
         return max(0.5, cores - router)
 
-    def slowdown(self) -> float:
+    def slowdown(self, prompt_tokens: int | None = None) -> float:
         """How much longer a step starting now takes for the workers computing beside it: their share of the
-        cores, and their interference (the profile's)."""
+        cores, and their interference (the profile's; for a prompt's chunk, at that prompt's length)."""
         cores, k = self.cores, self.computing
         if not cores:
             return 1.0
+        i = self.profile.interference if prompt_tokens is None else self.profile.interference_at(prompt_tokens)
         # NOTE: the larger of the two, not their product: with more workers than cores each step already waits
         # for a core, and the bandwidth it shares is the same; the product overstretched 3-worker layouts
-        return max(1.0, k / cores, 1 + self.profile.interference * (k - 1))
+        return max(1.0, k / cores, 1 + i * (k - 1))
 
     def end_step(self, w: SimWorker) -> None:
         self.computing -= 1

@@ -137,7 +137,7 @@ def size(profile: Profile, trace: Trace, slo: SLO, max_pool_size: int = 64, colo
         return _size_every_layout(Search(profile, trace, slo, late_reservation), max_pool_size, colocated)
     # NOTE: a fleet gives every worker a device of its own: a CPU profile's shared cores would make each
     # added worker slow the others down, which is this test machine, not a deployment
-    profile = dataclasses.replace(profile, shared_cores=None, interference=0.0)
+    profile = dataclasses.replace(profile, shared_cores=None, interference=0.0, short_interference=None)
     search = Search(profile, trace, slo, late_reservation)
     p0, d0 = first_guess(profile, trace, slo)
     p_hi, d_hi = min(max_pool_size, 2 * p0), min(max_pool_size, 2 * d0)

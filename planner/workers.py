@@ -14,6 +14,7 @@ colocated worker does both in one step. Time is the simulator's: a step's durati
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -145,8 +146,10 @@ class SimWorker:
     def has_work(self) -> bool:
         return bool(self.prompts or self.joining or self.running)
 
-    def plan_step(self, slowdown: float = 1.0) -> Step:
-        """The next step (the engine's `schedule()`), its duration stretched by `slowdown` (shared cores)."""
+    def plan_step(self, slowdown: float = 1.0, prefill_slowdown: Callable[[int], float] | None = None) -> Step:
+        """The next step (the engine's `schedule()`), its duration stretched by `slowdown` (shared cores); its
+        prompt chunks by `prefill_slowdown(prompt tokens)` where given (a short prefill loses more to a
+        neighbour than a long one, `Profile.interference_at`)."""
         assert self.step is None, f"{self.worker_id} planned a step while one runs"
         self.steps += 1
         self.joined = list(self.joining)
@@ -169,9 +172,10 @@ class SimWorker:
             n = min(r.remaining_prompt, budget)
             chunks.append((r, n))
             budget -= n
-        prefill = sum(self.profile.prefill.chunk_s(n, r.computed) for r, n in chunks)
+        prefill = sum(self.profile.prefill.chunk_s(n, r.computed) * (prefill_slowdown or _same(slowdown))(
+            r.spec.prompt_len) for r, n in chunks)
         base = self.profile.decode.step(rows, self.context_tokens) if rows else self.profile.prefill.step_s
-        self.step = Step(tuple(chunks), rows, (base + prefill) * slowdown)
+        self.step = Step(tuple(chunks), rows, base * slowdown + prefill)
         return self.step
 
     def end_step(self, now: float) -> StepOutcome:
@@ -205,3 +209,7 @@ class SimWorker:
     def release(self, r: SimRequest) -> None:
         self.used_blocks -= r.blocks
         r.blocks = 0
+
+
+def _same(slowdown: float) -> Callable[[int], float]:
+    return lambda _tokens: slowdown

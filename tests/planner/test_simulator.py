@@ -4,6 +4,7 @@ colocated step stalling its streams, a slow link, a full decode pool, a shared p
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -125,6 +126,27 @@ def test_interference_stretches_a_step_for_each_worker_computing_beside_it():
     result = simulate(profile(shared_cores=2, interference=0.5), "2c", two_at_once)
     # the second step starts while the first computes: 1.5x; the first started alone
     assert sorted(r.ttft_s for r in result.requests) == pytest.approx([0.276 + 0.01, 0.276 * 1.5 + 0.01])
+
+
+def test_a_short_prompt_loses_more_to_a_neighbour_than_a_long_one(tmp_path):
+    """A short prefill reads the weights as a decode step does, so a decoding neighbour slows it more than a
+    long, compute-bound one (`short_interference`, interpolated on log(tokens) up to the long measurement)."""
+    p = profile(shared_cores=2, interference=0.5, short_interference=(64, 1.0))
+    assert p.interference_at(32) == p.interference_at(64) == 1.0
+    assert p.interference_at(1280) == p.interference_at(4096) == 0.5
+    mid = 1.0 + math.log(256 / 64) / math.log(1280 / 64) * (0.5 - 1.0)
+    assert p.interference_at(256) == pytest.approx(mid)
+    assert profile(interference=0.5).interference_at(32) == 0.5  # measured at one length: that at every length
+    # the second prompt's step starts while the first computes: its step overhead by the long figure (a
+    # decode step's), its 256 prompt tokens by the interpolated one
+    result = simulate(p, "2c", trace((0.0, 256, 2), (0.0, 256, 2)))
+    assert sorted(r.ttft_s for r in result.requests) == pytest.approx(
+        [0.276 + 0.01, 0.02 * 1.5 + 0.256 * (1 + mid) + 0.01])
+    # stored as JSON (a list) and read back as it was
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").short_interference == (64, 1.0)
+    with pytest.raises(ValueError, match="short_interference"):
+        profile(short_interference=(0, 1.0))
 
 
 def test_more_workers_than_cores_wait_for_a_core_or_for_bandwidth_whichever_is_more():

@@ -108,7 +108,11 @@ def test_the_fit_recovers_the_constants_that_made_the_samples(tmp_path):
     gap = 2.0 / (DECODE_OUTPUT - 1)
     solo = sum(c * f for c, f in zip((p.step_s, p.token_s, 1e-7), prefill_features(1280, 0, 256)))
     interference = {"batch": 4, "gap_p50_s": gap, "prompt_len": 1280, "prefill_s": [solo + 2.0 * 0.25 / 1.25]}
-    samples = {"prefill": prefill, "cached": [], "decode": decode, "interference": interference}
+    # 128-token prefills beside the same batch, wholly inside it, at a stretch of 0.6
+    short_solo = sum(c * f for c, f in zip((p.step_s, p.token_s, 1e-7), prefill_features(128, 0, 256)))
+    short = {"batch": 4, "gap_p50_s": gap, "prompt_len": 128, "prefill_s": [short_solo * 1.6] * 3}
+    samples = {"prefill": prefill, "cached": [], "decode": decode, "interference": interference,
+               "short_interference": short}
     fitted = fit_profile(samples, engine, 1000, "test", 0.0, None, 2)
     assert fitted.prefill.step_s == pytest.approx(p.step_s, rel=1e-6)
     assert fitted.prefill.token_s == pytest.approx(p.token_s, rel=1e-6)
@@ -116,6 +120,7 @@ def test_the_fit_recovers_the_constants_that_made_the_samples(tmp_path):
     assert (fitted.decode.step_s, fitted.decode.seq_s) == pytest.approx((d.step_s, d.seq_s), rel=1e-6)
     assert fitted.router.request_s == pytest.approx(0.004)
     assert fitted.interference == pytest.approx(0.25, rel=1e-6)
+    assert fitted.short_interference == (128, pytest.approx(0.6, rel=1e-6))
     # `plan profile --refit` fits the stored samples again and keeps where and when they were taken
     old = dataclasses.replace(fitted, machine={"host": "elsewhere"}, date="2026-01-01T00:00:00Z",
                               interference=0.06)
