@@ -286,7 +286,8 @@ def run_served(concurrency: int, tokens: int, duration_s: float, routers: int, r
     out_q = child.CONTEXT.Queue()
     per = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
     connections = _connections(concurrency, clients)
-    procs = [child.process(_client_process, port, n, tokens, duration_s, out_q, connections) for n in per if n]
+    procs = [child.process(_client_process, port, n, tokens, duration_s, out_q, connections)
+             for n in per if n]
     try:
         cpu0, t0 = sum(_cpu_seconds(p) for p in pids), time.monotonic()
         for p in procs:
@@ -381,7 +382,8 @@ def run(concurrency: int, tokens: int, step_s: float, duration_s: float, clients
         procs_r.append(r)
     per = [concurrency // clients + (1 if i < concurrency % clients else 0) for i in range(clients)]
     connections = _connections(concurrency, clients)
-    procs = [child.process(_client_process, port, n, tokens, duration_s, out_q, connections) for n in per if n]
+    procs = [child.process(_client_process, port, n, tokens, duration_s, out_q, connections)
+             for n in per if n]
     cpu0, t0 = sum(_cpu_seconds(r.pid) for r in procs_r), time.monotonic()
     for p in procs:
         p.start()

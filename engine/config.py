@@ -51,8 +51,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         kind = self.rope_scaling and self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
         if kind and kind not in ROPE_TYPES:  # (YaRN, dynamic NTK, ...: wrong at every length if ignored)
-            raise ValueError(f"rope_scaling type {kind!r} is not computed by the built-in engine (it computes "
-                             f"{', '.join(ROPE_TYPES)}); `--engine vllm` serves it")
+            raise ValueError(f"rope_scaling type {kind!r} is not computed by the built-in engine (it "
+                             f"computes {', '.join(ROPE_TYPES)}); `--engine vllm` serves it")
         if self.qk_norm and self.qkv_bias != self.o_bias:
             raise ValueError("a Qwen3-style model (qk_norm) has biases on q/k/v and o together or on none")
 
@@ -83,8 +83,8 @@ class ModelConfig:
         if family is None:
             served = ", ".join(FAMILIES)
             raise ValueError(f"model_type {d.get('model_type')!r} ({', '.join(archs)}) is not served by the "
-                             f"built-in engine (it serves {served}); `--engine vllm` serves every family vLLM "
-                             "does")
+                             f"built-in engine (it serves {served}); `--engine vllm` serves every family "
+                             "vLLM does")
         if not any(a.endswith("ForCausalLM") for a in archs):  # (a reward or classification head: no lm_head)
             raise ValueError(f"architectures {archs}: the built-in engine serves causal language models "
                              "(*ForCausalLM) only")
@@ -92,9 +92,9 @@ class ModelConfig:
             raise ValueError("mlp_bias: the built-in engine serves MLPs without biases; use `--engine vllm`")
         attention_bias = bool(d.get("attention_bias", False))  # (Qwen2 has no such key: its q/k/v always do)
         context = d.get("max_position_embeddings", 2048)
-        # NOTE: sliding-window attention (Mistral 7B v0.1; Qwen2 with use_sliding_window) equals full attention
-        # up to the window. The built-in engine attends over everything, so it serves such a model up to its
-        # window, exactly, rather than past it, wrongly.
+        # NOTE: sliding-window attention (Mistral 7B v0.1; Qwen2 with use_sliding_window) equals full
+        # attention up to the window. The built-in engine attends over everything, so it serves such a model
+        # up to its window, exactly, rather than past it, wrongly.
         window = d.get("sliding_window")
         if window and (family == "mistral" or d.get("use_sliding_window")):
             context = min(context, window)

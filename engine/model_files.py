@@ -42,7 +42,8 @@ def gguf_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not served by the built-in engine (it serves "
-                         f"{', '.join(GGUF_ARCHITECTURES)}); serve the model's HF directory with `--engine vllm`")
+                         f"{', '.join(GGUF_ARCHITECTURES)}); serve the model's HF directory with "
+                         "`--engine vllm`")
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)

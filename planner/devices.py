@@ -81,5 +81,5 @@ def on_device(profile: Profile, device: str, model: str | None = None) -> Profil
         prefill=PrefillCost(MIN_STEP_S, token_s, profile.prefill.attention_s * token_s / profile.prefill.token_s),
         decode=DecodeCost(max(MIN_STEP_S, m.weight_bytes / bandwidth), token_s, m.kv_bytes_per_token / bandwidth),
         transfer=TransferCost(m.kv_bytes_per_token, dev.link_bytes_per_s, profile.transfer.latency_s),
-        engine=EngineSettings(**(dataclasses.asdict(profile.engine) | GPU_ENGINE)), shared_cores=None, interference=0.0,
-        short_interference=None, samples={})
+        engine=EngineSettings(**(dataclasses.asdict(profile.engine) | GPU_ENGINE)), shared_cores=None,
+        interference=0.0, short_interference=None, samples={})

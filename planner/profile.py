@@ -129,9 +129,9 @@ class Profile:
     # on a shared machine, what each other worker computing at the same time adds to a step (a fraction:
     # memory bandwidth and caches are shared even when cores are not); 0 with a device each
     interference: float = 0.0
-    # the same for a short prefill, (its prompt tokens, stretch): bound by reading the weights as a decode step
-    # is, it loses more to a decoding neighbour than a long, compute-bound one; between the two lengths the
-    # stretch is interpolated on log(tokens) (`interference_at`). None: `interference` at every length
+    # the same for a short prefill, (its prompt tokens, stretch): bound by reading the weights as a decode
+    # step is, it loses more to a decoding neighbour than a long, compute-bound one; between the two lengths
+    # the stretch is interpolated on log(tokens) (`interference_at`). None: `interference` at every length
     short_interference: tuple[int, float] | None = None
     source: str = "measured"  # or how it was derived ("scaled from ... by ...")
     samples: dict[str, Any] = field(default_factory=dict)  # the raw measurements the constants were fitted to

@@ -146,7 +146,8 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
              f"{decode[-1]['gap_p50_s'] * 1e3:.1f} ms")
     interference = await measure_interference(probe)
     short = await measure_interference(probe, SHORT_INTERFERENCE_PROMPT)
-    samples = {"interference": interference, "short_interference": short, "prefill": [s.__dict__ | {"gaps": None} for s in prefill],
+    samples = {"interference": interference, "short_interference": short,
+               "prefill": [s.__dict__ | {"gaps": None} for s in prefill],
                "cached": [s.__dict__ | {"gaps": None} for s in cached], "decode": decode}
     return samples, cpu / max(1, tokens)
 

@@ -227,7 +227,8 @@ class Simulation:
         cores, k = self.cores, self.computing
         if not cores:
             return 1.0
-        i = self.profile.interference if prompt_tokens is None else self.profile.interference_at(prompt_tokens)
+        p = self.profile
+        i = p.interference if prompt_tokens is None else p.interference_at(prompt_tokens)
         # NOTE: the larger of the two, not their product: with more workers than cores each step already waits
         # for a core, and the bandwidth it shares is the same; the product overstretched 3-worker layouts
         return max(1.0, k / cores, 1 + i * (k - 1))

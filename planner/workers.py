@@ -146,7 +146,8 @@ class SimWorker:
     def has_work(self) -> bool:
         return bool(self.prompts or self.joining or self.running)
 
-    def plan_step(self, slowdown: float = 1.0, prefill_slowdown: Callable[[int], float] | None = None) -> Step:
+    def plan_step(self, slowdown: float = 1.0,
+                  prefill_slowdown: Callable[[int], float] | None = None) -> Step:
         """The next step (the engine's `schedule()`), its duration stretched by `slowdown` (shared cores); its
         prompt chunks by `prefill_slowdown(prompt tokens)` where given (a short prefill loses more to a
         neighbour than a long one, `Profile.interference_at`)."""

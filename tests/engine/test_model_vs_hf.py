@@ -213,10 +213,9 @@ def test_a_llama_3_1_gguf_file_with_rope_freqs_matches_transformers_on_the_hf_di
 
 def test_a_sliding_window_model_is_served_up_to_its_window_where_full_attention_equals_it():
     base = {**TINY_RANDOM_CONFIG.to_hf(), "max_position_embeddings": 32768}
-    assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 4096}).max_position_embeddings \
-        == 4096
-    assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_position_embeddings \
-        == 32768
+    mistral = {**base, "model_type": "mistral"}
+    assert ModelConfig.from_hf({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
+    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 32768
     qwen2 = {**base, "model_type": "qwen2", "sliding_window": 4096}
     assert ModelConfig.from_hf({**qwen2, "use_sliding_window": False}).max_position_embeddings == 32768
     assert ModelConfig.from_hf({**qwen2, "use_sliding_window": True}).max_position_embeddings == 4096
@@ -228,7 +227,8 @@ def test_a_family_the_built_in_engine_does_not_serve_is_refused_naming_it_and_th
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf({**TINY_RANDOM_CONFIG.to_hf(), "mlp_bias": True})
     with pytest.raises(ValueError, match=r"'yarn' is not computed by the built-in engine.*--engine vllm"):
-        ModelConfig.from_hf({**TINY_RANDOM_CONFIG.to_hf(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        ModelConfig.from_hf({**TINY_RANDOM_CONFIG.to_hf(),
+                             "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match=r"causal language models \(\*ForCausalLM\) only"):
         ModelConfig.from_hf({**TINY_RANDOM_CONFIG.to_hf(), "model_type": "qwen2",
                              "architectures": ["Qwen2ForRewardModel"]})

@@ -136,7 +136,8 @@ def test_a_short_prompt_loses_more_to_a_neighbour_than_a_long_one(tmp_path):
     assert p.interference_at(1280) == p.interference_at(4096) == 0.5
     mid = 1.0 + math.log(256 / 64) / math.log(1280 / 64) * (0.5 - 1.0)
     assert p.interference_at(256) == pytest.approx(mid)
-    assert profile(interference=0.5).interference_at(32) == 0.5  # measured at one length: that at every length
+    # measured at one length only: that figure at every length
+    assert profile(interference=0.5).interference_at(32) == 0.5
     # the second prompt's step starts while the first computes: its step overhead by the long figure (a
     # decode step's), its 256 prompt tokens by the interpolated one
     result = simulate(p, "2c", trace((0.0, 256, 2), (0.0, 256, 2)))
