@@ -173,8 +173,9 @@ class SimWorker:
             n = min(r.remaining_prompt, budget)
             chunks.append((r, n))
             budget -= n
-        prefill = sum(self.profile.prefill.chunk_s(n, r.computed) * (prefill_slowdown or _same(slowdown))(
-            r.spec.prompt_len) for r, n in chunks)
+        stretch = prefill_slowdown or (lambda _tokens: slowdown)
+        prefill = sum(self.profile.prefill.chunk_s(n, r.computed) * stretch(r.spec.prompt_len)
+                      for r, n in chunks)
         base = self.profile.decode.step(rows, self.context_tokens) if rows else self.profile.prefill.step_s
         self.step = Step(tuple(chunks), rows, base * slowdown + prefill)
         return self.step
@@ -210,7 +211,3 @@ class SimWorker:
     def release(self, r: SimRequest) -> None:
         self.used_blocks -= r.blocks
         r.blocks = 0
-
-
-def _same(slowdown: float) -> Callable[[int], float]:
-    return lambda _tokens: slowdown
