@@ -118,7 +118,8 @@ class ModelConfig:
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            # (a Qwen3 config without the key has transformers' default of 128, not hidden / heads)
+            head_dim=d.get("head_dim") or (128 if family == "qwen3" else d["hidden_size"] // num_heads),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),  # (transformers' default for all four)
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,

@@ -221,6 +221,14 @@ def test_a_sliding_window_model_is_served_up_to_its_window_where_full_attention_
     assert ModelConfig.from_hf({**qwen2, "use_sliding_window": True}).max_position_embeddings == 4096
 
 
+def test_a_config_without_optional_keys_reads_as_transformers_defaults_them():
+    bare = {k: v for k, v in TINY_RANDOM_CONFIG.to_hf().items() if k not in ("head_dim", "rms_norm_eps")}
+    assert ModelConfig.from_hf({**bare, "model_type": "qwen3"}).head_dim == 128  # Qwen3Config's default
+    c = TINY_RANDOM_CONFIG
+    assert ModelConfig.from_hf(bare).head_dim == c.hidden_size // c.num_heads
+    assert ModelConfig.from_hf(bare).rms_norm_eps == 1e-6
+
+
 def test_a_family_the_built_in_engine_does_not_serve_is_refused_naming_it_and_the_way_out():
     with pytest.raises(ValueError, match=r"'gemma3'.*qwen3.*--engine vllm"):
         ModelConfig.from_hf({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]})
