@@ -198,6 +198,12 @@ def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, mod
     rows = [prefill_features(s["prompt_len"], 0, chunk) for s in pre]
     step_s, token_s, attention_s = fit_nonnegative(rows, [s["server_prefill_s"] for s in pre])
     prefill = PrefillCost(step_s, max(token_s, 1e-9), attention_s)
+
+    def fitted(prompt_len: int, cached: int = 0) -> float:
+        """A prefill's seconds by the fit (before the token term's floor: what the samples are checked by)."""
+        return sum(c * f for c, f in zip((step_s, token_s, attention_s),
+                                         prefill_features(prompt_len, cached, chunk)))
+
     router_s = statistics.median(s["ttft_s"] - s["server_queue_s"] - s["server_prefill_s"] for s in pre)
     # the push left after the last chunk: that chunk's KV
     last = [(_chunks(s["prompt_len"], 0, chunk)[-1][0] * bytes_per_token, s["kv_transfer_s"]) for s in pre]
@@ -213,29 +219,23 @@ def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, mod
     inter = samples.get("interference")
     interference = 0.0
     if inter and inter["prefill_s"]:
-        solo_prefill = sum(c * f for c, f in zip((step_s, token_s, attention_s),
-                                                  prefill_features(inter["prompt_len"], 0, chunk)))
-        interference = overlap_stretch(statistics.median(inter["prefill_s"]) - solo_prefill,
+        interference = overlap_stretch(statistics.median(inter["prefill_s"]) - fitted(inter["prompt_len"]),
                                        (DECODE_OUTPUT - 1) * inter["gap_p50_s"])
     short = samples.get("short_interference")
     short_interference = None
     if short and short["prefill_s"]:
         # a short prefill runs whole beside the batch: all of it overlaps
-        solo = sum(c * f for c, f in zip((step_s, token_s, attention_s),
-                                         prefill_features(short["prompt_len"], 0, chunk)))
         took = statistics.median(short["prefill_s"])
-        short_interference = (short["prompt_len"], overlap_stretch(took - solo, took))
+        short_interference = (short["prompt_len"], overlap_stretch(took - fitted(short["prompt_len"]), took))
     p = Profile(model, machine_info(), utc_now(), prefill, decode,
                 TransferCost(bytes_per_token, link, latency), RouterCost(max(0.0, router_s), cpu_per_token_s),
                 engine, shared_cores, interference=interference, short_interference=short_interference)
     checks = {
         "prefill_fit_error_median": statistics.median(relative_errors(
-            [sum(c * f for c, f in zip((step_s, token_s, attention_s), r)) for r in rows],
-            [s["server_prefill_s"] for s in pre])),
+            [fitted(s["prompt_len"]) for s in pre], [s["server_prefill_s"] for s in pre])),
         "cached_prefill_error": relative_errors(
-            [sum(c * f for c, f in zip((step_s, token_s, attention_s),
-                                        prefill_features(s["prompt_len"], s["cached"], chunk)))
-             for s in samples["cached"]], [s["server_prefill_s"] for s in samples["cached"]]),
+            [fitted(s["prompt_len"], s["cached"]) for s in samples["cached"]],
+            [s["server_prefill_s"] for s in samples["cached"]]),
         "decode_fit_error_median": statistics.median(relative_errors(
             [p.decode.step(int(r[1]), int(r[2])) for r in drows], [d["gap_p50_s"] for d in dec])),
         "kv_transfer_fitted_bytes_per_s": 1 / s_per_byte if s_per_byte > 0 else None,

@@ -207,7 +207,7 @@ class Simulation:
         if w.step is not None or not w.has_work:
             return
         self.computing += 1
-        step = w.plan_step(self.slowdown(), self.slowdown)
+        step = w.plan_step(self.slowdown)
         w.step_ends_at = self.now + step.duration_s
         self.at(w.step_ends_at, lambda: self.end_step(w))
 

@@ -146,11 +146,10 @@ class SimWorker:
     def has_work(self) -> bool:
         return bool(self.prompts or self.joining or self.running)
 
-    def plan_step(self, slowdown: float = 1.0,
-                  prefill_slowdown: Callable[[int], float] | None = None) -> Step:
-        """The next step (the engine's `schedule()`), its duration stretched by `slowdown` (shared cores); its
-        prompt chunks by `prefill_slowdown(prompt tokens)` where given (a short prefill loses more to a
-        neighbour than a long one, `Profile.interference_at`)."""
+    def plan_step(self, slowdown: Callable[[int | None], float] = lambda _prompt_tokens: 1.0) -> Step:
+        """The next step (the engine's `schedule()`), its duration stretched by `slowdown` (shared cores):
+        `slowdown(None)` for the step, `slowdown(prompt tokens)` for each prompt's chunk (a short prefill
+        loses more to a neighbour than a long one, `Profile.interference_at`)."""
         assert self.step is None, f"{self.worker_id} planned a step while one runs"
         self.steps += 1
         self.joined = list(self.joining)
@@ -173,11 +172,10 @@ class SimWorker:
             n = min(r.remaining_prompt, budget)
             chunks.append((r, n))
             budget -= n
-        stretch = prefill_slowdown or (lambda _tokens: slowdown)
-        prefill = sum(self.profile.prefill.chunk_s(n, r.computed) * stretch(r.spec.prompt_len)
+        prefill = sum(self.profile.prefill.chunk_s(n, r.computed) * slowdown(r.spec.prompt_len)
                       for r, n in chunks)
         base = self.profile.decode.step(rows, self.context_tokens) if rows else self.profile.prefill.step_s
-        self.step = Step(tuple(chunks), rows, base * slowdown + prefill)
+        self.step = Step(tuple(chunks), rows, base * slowdown(None) + prefill)
         return self.step
 
     def end_step(self, now: float) -> StepOutcome:

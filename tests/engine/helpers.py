@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine.checkpoint import byte_tokenizer, random_state_dict, write_checkpoint
 
 
 def make_engine(model: str = "tiny-random", *, num_blocks: int | None = 256, block_size: int = 16,
@@ -39,3 +40,14 @@ def run_capturing_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def hf_of_random_checkpoint(path, config, seed: int):
+    """`config` written to `path` with random weights; transformers' model of it, of the class its config.json
+    names (the independent reference)."""
+    from transformers import AutoModelForCausalLM
+
+    write_checkpoint(path, config, random_state_dict(config, seed=seed), byte_tokenizer(""))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+    assert type(hf).__name__ == config.to_hf()["architectures"][0]
+    return hf

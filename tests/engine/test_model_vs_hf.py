@@ -9,10 +9,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from engine import LLM
-from engine.checkpoint import byte_tokenizer, random_state_dict, write_checkpoint
+from engine.checkpoint import byte_tokenizer
 from engine.config import ModelConfig
 from engine.hub import TINY_RANDOM_CONFIG
-from tests.engine.helpers import greedy, make_engine, rel_err, run_capturing_logits
+from tests.engine.helpers import greedy, hf_of_random_checkpoint, make_engine, rel_err, run_capturing_logits
 
 PROMPTS = [
     "The capital of France is",
@@ -58,10 +58,8 @@ def test_tiny_random_logits_match_hf_prefill_and_every_decode_step():
     {"num_kv_heads": 1, "head_dim": 32},  # MQA and head_dim != hidden / heads
 ], ids=["llama3-rope", "linear-rope", "mha-tied", "mqa-wide-head"])
 def test_llama_family_variants_match_hf(tmp_path, variant):
-    config = dataclasses.replace(TINY_RANDOM_CONFIG, **variant)
-    write_checkpoint(tmp_path, config, random_state_dict(config, seed=1), byte_tokenizer(""))
+    hf = hf_of_random_checkpoint(tmp_path, dataclasses.replace(TINY_RANDOM_CONFIG, **variant), seed=1)
     engine = make_engine(str(tmp_path))
-    hf = LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     # a prompt longer than original_max_position_embeddings so the llama3 long-wavelength branch matters
     assert_logits_match(engine, hf, [(7 * i) % 250 for i in range(90)], max_tokens=8)
 
@@ -73,13 +71,8 @@ def test_llama_family_variants_match_hf(tmp_path, variant):
     {"qkv_bias": True, "o_bias": True},  # Llama with attention_bias
 ], ids=["qwen2", "qwen3", "qwen3-attention-bias", "llama-attention-bias"])
 def test_qwen_families_and_attention_biases_match_hf(tmp_path, traits):
-    from transformers import AutoModelForCausalLM
-
-    config = dataclasses.replace(TINY_RANDOM_CONFIG, **traits)
-    write_checkpoint(tmp_path, config, random_state_dict(config, seed=2), byte_tokenizer(""))
+    hf = hf_of_random_checkpoint(tmp_path, dataclasses.replace(TINY_RANDOM_CONFIG, **traits), seed=2)
     engine = make_engine(str(tmp_path))
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
-    assert type(hf).__name__ == config.to_hf()["architectures"][0]
     assert_logits_match(engine, hf, [(5 * i) % 250 for i in range(40)], max_tokens=8)
 
 
@@ -198,8 +191,7 @@ def test_a_llama_3_1_gguf_file_with_rope_freqs_matches_transformers_on_the_hf_di
         TINY_RANDOM_CONFIG, vocab_size=261, bos_token_id=258, eos_token_ids=(260,), rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64})
-    write_checkpoint(tmp_path / "hf", config, random_state_dict(config, seed=6), byte_tokenizer(""))
-    hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+    hf = hf_of_random_checkpoint(tmp_path / "hf", config, seed=6)
     d = config.head_dim
     plain = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2).float() / d))
     factors = plain / hf.model.rotary_emb.inv_freq  # (what llama.cpp's converter computes and stores)

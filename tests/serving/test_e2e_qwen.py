@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from engine.checkpoint import byte_tokenizer, random_state_dict, write_checkpoint
 from engine.hub import TINY_RANDOM_CONFIG
+from tests.engine.helpers import hf_of_random_checkpoint
 from tests.serving.conftest import greedy_request, running_server, token_ids
 
 pytestmark = pytest.mark.slow
@@ -28,11 +28,8 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 def test_a_qwen3_model_served_1p1d_matches_transformers_token_for_token(ray_cluster, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     config = dataclasses.replace(TINY_RANDOM_CONFIG, qk_norm=True, qkv_bias=True, o_bias=True, head_dim=32)
-    write_checkpoint(tmp_path, config, random_state_dict(config, seed=5), byte_tokenizer(""))
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    hf = hf_of_random_checkpoint(tmp_path, config, seed=5)
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     with running_server(model=str(tmp_path), num_blocks=64, prefill_workers=1, decode_workers=1) as server:
