@@ -14,9 +14,10 @@ unless asked for):
 4. interference: a batch decoding while long prompts prefill, then while chat-sized ones do: how much two
    workers computing at once stretch each other's steps on this machine (memory bandwidth, caches), beyond
    sharing its cores; a short prefill, bound by the weights it reads, loses more than a long one;
-5. decode: B requests at once (B = 1-32, short prompts; B = 2 and 8 with long ones), the median client
-   gap between tokens as the step at batch B and context B x (prompt + half the output), fitted as a line
-   in batch and context; the router's CPU per token relayed (this process's CPU over the tokens: router
+5. decode: B requests at once (B = 1-32, short prompts; B = 2, 4 and 8 with long ones, each long prompt
+   sent once before so its prefill is a cache hit and the batch decodes whole), the median client gap
+   between tokens as the step at batch B and context B x (prompt + half the output), fitted as a line in
+   batch and context; the router's CPU per token relayed (this process's CPU over the tokens: router
    and load generator both, so an upper bound).
 """
 
@@ -47,8 +48,10 @@ from planner.profile import (
 
 PREFILL_LENGTHS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280)
 CACHED_CASES = ((512, 64), (1024, 64), (1024, 512))  # (prompt tokens, uncached tail)
-DECODE_BATCHES = ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (2, 768), (8, 768))  # (batch, prompt)
+# (batch, prompt tokens); prompts of LONG_PROMPT tokens or more are cached first (`Prober.batch`)
+DECODE_BATCHES = ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (2, 768), (8, 768), (4, 1280))
 DECODE_OUTPUT = 48
+LONG_PROMPT = 512
 # a long prompt prefilling beside a decoding batch, and a chat-sized one
 INTERFERENCE_PROMPT, INTERFERENCE_BATCH = LONG_INTERFERENCE_TOKENS, 4
 SHORT_INTERFERENCE_PROMPT = 128
@@ -96,8 +99,15 @@ class Prober:
         return Sample(len(prompt), rec.cached_prompt_tokens, rec.ttft, st["queue"], st["prefill"],
                       st["kv_transfer"], tuple(rec.itls[1:]))
 
-    async def batch(self, n: int, prompt_len: int, max_tokens: int) -> list[Sample]:
-        return list(await asyncio.gather(*(self.one(self.tokens(prompt_len), max_tokens) for _ in range(n))))
+    async def batch(self, n: int, prompt_len: int, max_tokens: int, cached_first: bool = False) -> list[Sample]:
+        """`n` requests at once. `cached_first`: each prompt is sent alone beforehand, so the batch's prefills
+        are cache hits that end together and its steps decode all `n` (long prompts prefilled in the batch
+        end seconds apart: eight of 768 tokens, 14 s, past the first ones' last tokens)."""
+        prompts = [self.tokens(prompt_len) for _ in range(n)]
+        if cached_first:
+            for prompt in prompts:
+                await self.one(prompt, 1)
+        return list(await asyncio.gather(*(self.one(prompt, max_tokens) for prompt in prompts)))
 
 
 def _chunks(n: int, cached: int, chunk: int) -> list[tuple[int, int]]:
@@ -137,11 +147,12 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
     decode, cpu, tokens = [], 0.0, 0
     for i, (b, p) in enumerate(DECODE_BATCHES):
         c0 = time.process_time()
-        got = await probe.batch(b, p, DECODE_OUTPUT)
+        got = await probe.batch(b, p, DECODE_OUTPUT, cached_first=p >= LONG_PROMPT)
         cpu += time.process_time() - c0
         tokens += b * DECODE_OUTPUT
         gaps = [g for s in got for g in s.gaps]
-        decode.append({"batch": b, "prompt_len": p, "gap_p50_s": statistics.median(gaps), "num_gaps": len(gaps)})
+        decode.append({"batch": b, "prompt_len": p, "gap_p50_s": statistics.median(gaps), "num_gaps": len(gaps),
+                       "cached_first": p >= LONG_PROMPT})
         _log(f"[decode {i + 1}/{len(DECODE_BATCHES)}] batch {b}, {p}-token prompts: step "
              f"{decode[-1]['gap_p50_s'] * 1e3:.1f} ms")
     interference = await measure_interference(probe)
@@ -190,6 +201,15 @@ def overlap_stretch(extra_s: float, overlap_s: float) -> float:
     return min(1.0, extra_s / max(overlap_s - extra_s, 1e-9))
 
 
+def decoded_whole(sample: dict) -> bool:
+    """Whether a decode sample's gaps are its batch's steps. Profiles before 2026-12-07 prefilled long
+    prompts inside the batch: two of 768 tokens end their prefills about when the first one's output is half
+    done, but eight end 14 s apart, so that sample's gaps were mostly smaller batches beside a prefill (it
+    read 89 ms where the batch takes about 125: it hid the context's cost, 46 kB of KV a token read every
+    step, from the fit). Those are left out of the fit."""
+    return sample.get("cached_first", False) or sample["prompt_len"] < LONG_PROMPT or sample["batch"] <= 2
+
+
 def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, model: str,
                 cpu_per_token_s: float, router_link_bytes_per_s: float | None, shared_cores: int | None) -> Profile:
     """The profile's constants from the sweeps' samples (module docstring)."""
@@ -212,7 +232,7 @@ def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, mod
     # does not grow with its bytes on a fast link; the rate is then the one the slowest sample allows. (The
     # router's own link rate is bytes over the whole push, overlapped compute included: recorded, not used)
     link = 1 / s_per_byte if s_per_byte > 0 else max(b for b, _ in last) / max(t for _, t in last)
-    dec = samples["decode"]
+    dec = [d for d in samples["decode"] if decoded_whole(d)]
     drows = [[1.0, d["batch"], d["batch"] * (d["prompt_len"] + DECODE_OUTPUT / 2)] for d in dec]
     d0, d_seq, d_ctx = fit_nonnegative(drows, [d["gap_p50_s"] for d in dec])
     decode = DecodeCost(d0, d_seq, d_ctx)
