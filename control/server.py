@@ -19,7 +19,7 @@ from control.console import ServeError, log
 from control.doors import bind_grpc, grpc_door, http_server, metrics_endpoint, set_health
 from control.launcher import ray_launcher
 from engine.hub import resolve_model
-from engine.model_files import load_config, model_limits
+from engine.model_files import model_limits
 from engine.tokenizer import Tokenizer
 from protocol.kv_config import KVTransferConfig
 from protocol.messages import RouterId
@@ -87,10 +87,8 @@ class Server:
             refuse_taken_port(c.port)  # before binding: SO_REUSEPORT would let this one take its connections
         path = resolve_model(c.model)  # download/convert once, here, before any worker looks for it
         try:
-            context, vocab_size = model_limits(path)
             # a family the built-in engine cannot run fails here, not in each worker in turn
-            if "builtin" in c.engines():
-                context = min(context, load_config(path).max_position_embeddings)  # (a sliding window's cap)
+            context, vocab_size = model_limits(path, builtin="builtin" in c.engines())
         except ValueError as e:
             raise ServeError(f"--model {c.model}: {e}") from e
         tokenizer = Tokenizer(path)

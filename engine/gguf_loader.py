@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.model_files import gguf_config
+from engine.model_files import gguf_config, gguf_field
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -43,7 +43,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     reader = GGUFReader(path)
     config = gguf_config(reader)
-    permuted = reader.fields["general.architecture"].contents() == "llama"
+    permuted = gguf_field(reader, "general.architecture") == "llama"
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         base, _, kind = t.name.rpartition(".")

@@ -19,10 +19,11 @@ def load_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
-def model_limits(path: Path) -> tuple[int, int]:
-    """(context length, vocabulary size) of any model family's checkpoint: what the doors validate against
-    (the built-in engine reads the configs of `engine.config.FAMILIES` only; vLLM serves every family)."""
-    if path.suffix == ".gguf":
+def model_limits(path: Path, builtin: bool = False) -> tuple[int, int]:
+    """(context length, vocabulary size) of any model family's checkpoint: what the doors validate against.
+    `builtin`: as the built-in engine reads it (`load_config`: one of `engine.config.FAMILIES`, else a
+    ValueError naming the cause; a sliding window caps the context); vLLM serves every family."""
+    if builtin or path.suffix == ".gguf":
         config = load_config(path)
         return config.max_position_embeddings, config.vocab_size
     d = json.loads((path / "config.json").read_text())
@@ -30,7 +31,7 @@ def model_limits(path: Path) -> tuple[int, int]:
     return int(d.get("max_position_embeddings", 2048)), int(d["vocab_size"])
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
@@ -39,19 +40,19 @@ GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp's names; its Mistr
 
 
 def gguf_config(reader: Any) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not served by the built-in engine (it serves "
                          f"{', '.join(GGUF_ARCHITECTURES)}); serve the model's HF directory with "
                          "`--engine vllm`")
 
     def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
     names = {t.name for t in reader.tensors}
-    vocab = meta("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    vocab = meta("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
     scaling: dict[str, Any] | None = None
     kind = meta("rope.scaling.type")
     if kind == "linear":
@@ -67,7 +68,7 @@ def gguf_config(reader: Any) -> ModelConfig:
 
         factors = dequantize(freqs.data, freqs.tensor_type).astype("float32").ravel()
         scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -82,7 +83,7 @@ def gguf_config(reader: Any) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=meta("context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
