@@ -7,8 +7,12 @@ For every (layout, workload, rate) run in the bench files, the same trace (the b
 arrivals for its --seed, which --rounds 1 keeps whole) is simulated twice from the profile:
 - as profiled: the workers share the machine's cores (the profile's `shared_cores`);
 - with the neighbours: the cores the run's other processes took (the bench's `others_cores`, measured
-  during that run) taken off, since this machine is shared. This uses the run's measured noise, never its
-  latencies.
+  during that run) taken off, since this machine is shared;
+- at the run's machine speed: the decode step's constants scaled by the profile's memory bandwidth index
+  over the run's, and the prefill's by its matrix-multiply index over the run's
+  (`benchmarks.serving.cpu.machine_speed`, probed by both), since this VM's speed drifts by a fifth within
+  an hour with nothing else on it busy.
+The last two use the run's measured noise, never its latencies.
 Errors are |simulated - measured| / measured on TTFT p50, TTFT p90 and ITL p50.
 """
 
@@ -38,12 +42,30 @@ def cases(paths: list[str]) -> list[dict]:
         for run in d["runs"]:
             out.append({"file": path, "command": d["command"], "layout": run["layout"], "workload": run["workload"],
                         "rate": s["rate"], "num_requests": s["num_requests"], "seed": s["seed"],
-                        "others_cores": (run.get("cpu") or {}).get("others_cores"), "measured": run["summary"]})
+                        "others_cores": (run.get("cpu") or {}).get("others_cores"),
+                        "memory_gbps": (run.get("cpu") or {}).get("memory_gbps"),
+                        "compute_gflops": (run.get("cpu") or {}).get("compute_gflops"), "measured": run["summary"]})
     return out
 
 
 def errors(sim: dict, measured: dict) -> dict[str, float]:
     return {f"{m}_{q}": abs(sim[f"{m}_s"][q] - measured[m][q]) / measured[m][q] for m, q in METRICS}
+
+
+def at_machine_speed(profile: Profile, case: dict) -> Profile | None:
+    """The profile's decode constants scaled by its memory index over the run's, its prefill constants by
+    its compute index over the run's (each where both sides probed it); None where neither was."""
+    out = profile
+    for index, cost, fields in (("memory_gbps", "decode", ("step_s", "seq_s", "context_token_s")),
+                                ("compute_gflops", "prefill", ("step_s", "token_s", "attention_s"))):
+        probed = profile.samples.get(index)
+        if not probed or not case.get(index):
+            continue
+        ratio = statistics.mean(probed) / case[index]
+        c = getattr(out, cost)
+        out = dataclasses.replace(out, **{cost: dataclasses.replace(
+            c, **{f: getattr(c, f) * ratio for f in fields})})
+    return None if out is profile else out
 
 
 def evaluate(profile: Profile, case: dict) -> dict:
@@ -57,6 +79,10 @@ def evaluate(profile: Profile, case: dict) -> dict:
         noisy = dataclasses.replace(profile, shared_cores=cores)
         row["simulated_with_neighbours"] = simulate(noisy, layout, trace).summary() | {"shared_cores": cores}
         row["errors_with_neighbours"] = errors(row["simulated_with_neighbours"], case["measured"])
+    paced = at_machine_speed(profile, case)
+    if paced is not None:
+        row["simulated_at_machine_speed"] = simulate(paced, layout, trace).summary()
+        row["errors_at_machine_speed"] = errors(row["simulated_at_machine_speed"], case["measured"])
     return row
 
 
@@ -88,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [evaluate(profile, c) for c in cases(args.bench_results)]
     md = ("## As profiled\n\n" + table(rows, "errors", "simulated") + "\n\n## With the run's neighbours' CPU "
           "taken off the cores\n\n" + table(rows, "errors_with_neighbours", "simulated_with_neighbours") + "\n")
+    if any("errors_at_machine_speed" in r for r in rows):
+        md += ("\n## At the run's machine speed (decode scaled by the memory index, prefill by the compute "
+               "index: the profile's over the run's)\n\n"
+               + table(rows, "errors_at_machine_speed", "simulated_at_machine_speed") + "\n")
     Path(args.out + ".json").write_text(json.dumps({"profile": args.profile, "rows": rows}, indent=1) + "\n")
     Path(args.out + ".md").write_text(md)
     print(md)

@@ -128,7 +128,10 @@ def prefill_features(n: int, cached: int, chunk: int) -> list[float]:
 
 async def measure(stub, vocab_size: int) -> tuple[dict, float]:
     """Every sweep; returns the raw samples and the CPU seconds this process spent per decoded token."""
+    from benchmarks.serving.cpu import machine_speed
+
     probe = Prober(stub, vocab_size)
+    speeds = [machine_speed()]  # the machine's memory and compute speed now and at the end
     _log("warming up (2 requests)")
     for _ in range(2):
         await probe.one(probe.tokens(256), 4)
@@ -157,7 +160,11 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
              f"{decode[-1]['gap_p50_s'] * 1e3:.1f} ms")
     interference = await measure_interference(probe)
     short = await measure_interference(probe, SHORT_INTERFERENCE_PROMPT)
+    speeds.append(machine_speed())
+    _log("machine speed index (memory GB/s, compute GFLOP/s): "
+         f"{speeds[0][0]:.2f}, {speeds[0][1]:.0f} at the start; {speeds[1][0]:.2f}, {speeds[1][1]:.0f} at the end")
     samples = {"interference": interference, "short_interference": short,
+               "memory_gbps": [m for m, _ in speeds], "compute_gflops": [c for _, c in speeds],
                "prefill": [s.__dict__ | {"gaps": None} for s in prefill],
                "cached": [s.__dict__ | {"gaps": None} for s in cached], "decode": decode}
     return samples, cpu / max(1, tokens)

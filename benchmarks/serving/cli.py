@@ -65,6 +65,9 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
                    help="write OUT.json and OUT.png (default bench-results/bench-<time>)")
     p.add_argument("--title", default="", help="the figure's title")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--memory-probe", action="store_true",
+                   help="record one core's memory bandwidth before and after each run (1 s each; the "
+                        "planner's accuracy table scales decode by it)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="after the last send, give up on requests still streaming after this many seconds")
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan(tuple(make_workload(w) for w in args.workload), load, slo,
                     GoodputSearch(args.rate, args.goodput_probes, args.goodput_target) if args.goodput else None,
                     rounds=args.rounds, warmup=args.warmup, seed=args.seed, request_timeout_s=args.request_timeout,
-                    drain_timeout_s=args.drain_timeout, progress=not args.no_progress)
+                    drain_timeout_s=args.drain_timeout, progress=not args.no_progress,
+                    memory_probe=args.memory_probe)
         layouts = [Layout.parse(s) for s in args.launch] if args.launch else []
         if len({layout.label for layout in layouts}) < len(layouts):
             raise ValueError("--launch: each layout at most once")

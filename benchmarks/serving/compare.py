@@ -45,6 +45,7 @@ class Plan:
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 300.0
     progress: bool = True
+    memory_probe: bool = False  # `benchmarks.serving.cpu.memory_gbps` before and after each run
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -102,7 +103,7 @@ async def _compare_workload(targets: Sequence[Target], workload: Workload, plan:
             duration_s=None if load.duration_s is None else load.duration_s / plan.rounds)
         for t in _abba(targets, k):
             specs = workload.requests(n, plan.seed, t.vocab)[lo:hi]
-            meter = CpuMeter()
+            meter = CpuMeter(probe=plan.memory_probe)
             parts[t.label].append(await _run(t, workload, specs, round_load, plan, first_index=lo,
                                              what=f"{load.label} round {k + 1}/{plan.rounds}"))
             share = meter.stop()
@@ -146,7 +147,7 @@ async def _search_goodput(targets: Sequence[Target], workload: Workload, plan: P
             specs = workload.requests(load.num_requests, seed, t.vocab)
             # NOTE: later probes stop as soon as they have certainly failed; the first (the table's row,
             # the run at --rate) always runs to the end.
-            meter = CpuMeter()
+            meter = CpuMeter(probe=plan.memory_probe)
             result = await _run(t, workload, specs, load, plan, what=f"probe {rate:.2f} req/s",
                                 stop_when=search.hopeless(slo))
             summary = summarize(result, slo)

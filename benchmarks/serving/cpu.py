@@ -1,15 +1,66 @@
 """How much of the machine a run had: CPU used by this process tree (router, load generator, the Ray
-cluster it started) against CPU used by everything else while the run lasted.
+cluster it started) against CPU used by everything else while the run lasted, and, probed just before and
+after it, the memory bandwidth and the matrix-multiply speed of one core.
 
-On a shared machine the second number is the noise: a neighbour's job that takes a core halves a
-1-thread worker's speed, and it comes and goes between layouts. Reported with every run, in cores.
+On a shared machine these are the noise: a neighbour's job that takes a core halves a 1-thread worker's
+speed, and it comes and goes between layouts; and with nothing else on it busy, this VM's prefill and
+decode speeds each drift by a fifth within an hour (a slower neighbour on the host is invisible from
+inside, and it reports no steal time). A decode step is bound by memory bandwidth and a prefill by
+matrix multiplies: the probes are an index of each. Reported with every run.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
+
+PROBE_BYTES = 64 << 20  # past any cache here
+PROBE_S = 1.0  # (one second: within 2% run to run here; a quarter second, 10%)
+
+
+def memory_gbps(seconds: float | None = None) -> float:
+    """One core's copy bandwidth now (GB/s of bytes read), the median of repeated copies of `PROBE_BYTES`
+    for about `seconds` (`PROBE_S`): an index of the machine's memory speed to compare runs by, not a
+    roofline."""
+    import numpy as np
+
+    src = np.ones(PROBE_BYTES // 8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # (pages touched)
+    rates, end = [], time.perf_counter() + (PROBE_S if seconds is None else seconds)
+    while time.perf_counter() < end or len(rates) < 3:
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        rates.append(PROBE_BYTES / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def compute_gflops(seconds: float | None = None) -> float:
+    """One core's float32 matrix-multiply speed now (GFLOP/s), the median of repeated products shaped like
+    a prefill chunk's (256 tokens through a 2,048-wide layer) for about `seconds` (`PROBE_S`): an index, as
+    `memory_gbps` is."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 2048), torch.randn(2048, 2048)
+        flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        rates, end = [], time.perf_counter() + (PROBE_S if seconds is None else seconds)
+        while time.perf_counter() < end or len(rates) < 3:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            rates.append(flops / (time.perf_counter() - t0) / 1e9)
+        return statistics.median(rates)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def machine_speed() -> tuple[float, float]:
+    """(memory_gbps(), compute_gflops()): 2 s."""
+    return memory_gbps(), compute_gflops()
 
 
 def _busy_seconds() -> float:
@@ -40,6 +91,7 @@ class CpuShare:
     ours_s: float  # used by this process tree
     others_s: float  # used by every other process on the machine
     wall_s: float
+    speeds: tuple[tuple[float, float], ...] = ()  # `machine_speed()` before and after each span
 
     @property
     def ours_cores(self) -> float:
@@ -50,17 +102,25 @@ class CpuShare:
         return self.others_s / self.wall_s
 
     def __add__(self, other: CpuShare) -> CpuShare:
-        return CpuShare(self.ours_s + other.ours_s, self.others_s + other.others_s, self.wall_s + other.wall_s)
+        return CpuShare(self.ours_s + other.ours_s, self.others_s + other.others_s,
+                        self.wall_s + other.wall_s, self.speeds + other.speeds)
 
     def to_dict(self) -> dict:
-        return {"ours_cores": round(self.ours_cores, 2), "others_cores": round(self.others_cores, 2),
-                "cpus": os.cpu_count(), "wall_s": round(self.wall_s, 1)}
+        out = {"ours_cores": round(self.ours_cores, 2), "others_cores": round(self.others_cores, 2),
+               "cpus": os.cpu_count(), "wall_s": round(self.wall_s, 1)}
+        if self.speeds:
+            out["memory_gbps"] = round(statistics.mean(m for m, _ in self.speeds), 2)
+            out["compute_gflops"] = round(statistics.mean(c for _, c in self.speeds), 1)
+        return out
 
 
 class CpuMeter:
-    """Start it before a run, `stop()` after; None from `stop()` when psutil is missing."""
+    """Start it before a run, `stop()` after; None from `stop()` when psutil is missing. `probe`: measure
+    `machine_speed()` at both ends (outside the span)."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: bool = False) -> None:
+        self._probe = probe
+        self._speeds = (machine_speed(),) if probe else ()
         try:
             self._start = (time.perf_counter(), _busy_seconds(), _tree_seconds())
         except ImportError:
@@ -72,4 +132,5 @@ class CpuMeter:
         t0, busy0, ours0 = self._start
         wall = max(time.perf_counter() - t0, 1e-9)
         busy, ours = _busy_seconds() - busy0, _tree_seconds() - ours0
-        return CpuShare(ours, max(0.0, busy - ours), wall)
+        speeds = self._speeds + ((machine_speed(),) if self._probe else ())
+        return CpuShare(ours, max(0.0, busy - ours), wall, speeds)

@@ -7,7 +7,7 @@ OUT=${1:-benchmarks/results/planner}; mkdir -p "$OUT"  # where the runs go (defa
 if [ "${PROFILE:-}" = new ]; then  # the day's profile, right before the runs (this VM drifts by 20% in hours)
   pdserve plan profile --launch --out "$OUT/profile-smollm2-cpu.json" > "$OUT/profile.log" 2>&1
 fi
-COMMON="--rounds 1 --seed 0 --warmup 2 --no-progress"
+COMMON="--rounds 1 --seed 0 --warmup 2 --no-progress --memory-probe"
 # NOTE: one layout per bench process: a launched layout's idle workers slow the one measured beside them
 # (docs/planner.md, "idle layouts slow the measured one"); the runs before 2026-12-06 launched 1p1d and 2c
 # together
