@@ -44,7 +44,8 @@ def cases(paths: list[str]) -> list[dict]:
                         "rate": s["rate"], "num_requests": s["num_requests"], "seed": s["seed"],
                         "others_cores": (run.get("cpu") or {}).get("others_cores"),
                         "memory_gbps": (run.get("cpu") or {}).get("memory_gbps"),
-                        "compute_gflops": (run.get("cpu") or {}).get("compute_gflops"), "measured": run["summary"]})
+                        "compute_gflops": (run.get("cpu") or {}).get("compute_gflops"),
+                        "measured": run["summary"]})
     return out
 
 

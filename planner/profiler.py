@@ -161,8 +161,9 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
     interference = await measure_interference(probe)
     short = await measure_interference(probe, SHORT_INTERFERENCE_PROMPT)
     speeds.append(machine_speed())
-    _log("machine speed index (memory GB/s, compute GFLOP/s): "
-         f"{speeds[0][0]:.2f}, {speeds[0][1]:.0f} at the start; {speeds[1][0]:.2f}, {speeds[1][1]:.0f} at the end")
+    (m0, c0), (m1, c1) = speeds
+    _log(f"machine speed index (memory GB/s, compute GFLOP/s): {m0:.2f}, {c0:.0f} at the start; "
+         f"{m1:.2f}, {c1:.0f} at the end")
     samples = {"interference": interference, "short_interference": short,
                "memory_gbps": [m for m, _ in speeds], "compute_gflops": [c for _, c in speeds],
                "prefill": [s.__dict__ | {"gaps": None} for s in prefill],
