@@ -28,8 +28,8 @@ def test_the_meter_probes_the_machine_at_both_ends_of_each_span_and_reports_the_
 
 
 MEASURED = {"ttft": {"p50": 0.1, "p90": 0.2}, "itl": {"p50": 0.05}}
-CASE = {"workload": "chat", "rate": 0.05, "num_requests": 4, "seed": 0, "layout": "1p1d", "others_cores": None,
-        "memory_gbps": 5.0, "compute_gflops": None, "measured": MEASURED}
+CASE = {"workload": "chat", "rate": 0.05, "num_requests": 4, "seed": 0, "layout": "1p1d",
+        "others_cores": None, "memory_gbps": 5.0, "compute_gflops": None, "measured": MEASURED}
 
 
 def test_a_run_at_half_the_profile_s_memory_speed_is_simulated_with_decode_steps_twice_as_long():
