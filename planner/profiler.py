@@ -99,7 +99,8 @@ class Prober:
         return Sample(len(prompt), rec.cached_prompt_tokens, rec.ttft, st["queue"], st["prefill"],
                       st["kv_transfer"], tuple(rec.itls[1:]))
 
-    async def batch(self, n: int, prompt_len: int, max_tokens: int, cached_first: bool = False) -> list[Sample]:
+    async def batch(self, n: int, prompt_len: int, max_tokens: int,
+                    cached_first: bool = False) -> list[Sample]:
         """`n` requests at once. `cached_first`: each prompt is sent alone beforehand, so the batch's prefills
         are cache hits that end together and its steps decode all `n` (long prompts prefilled in the batch
         end seconds apart: eight of 768 tokens, 14 s, past the first ones' last tokens)."""
@@ -154,16 +155,15 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
         cpu += time.process_time() - c0
         tokens += b * DECODE_OUTPUT
         gaps = [g for s in got for g in s.gaps]
-        decode.append({"batch": b, "prompt_len": p, "gap_p50_s": statistics.median(gaps), "num_gaps": len(gaps),
-                       "cached_first": p >= LONG_PROMPT})
+        decode.append({"batch": b, "prompt_len": p, "gap_p50_s": statistics.median(gaps),
+                       "num_gaps": len(gaps), "cached_first": p >= LONG_PROMPT})
         _log(f"[decode {i + 1}/{len(DECODE_BATCHES)}] batch {b}, {p}-token prompts: step "
              f"{decode[-1]['gap_p50_s'] * 1e3:.1f} ms")
     interference = await measure_interference(probe)
     short = await measure_interference(probe, SHORT_INTERFERENCE_PROMPT)
     speeds.append(machine_speed())
-    (m0, c0), (m1, c1) = speeds
-    _log(f"machine speed index (memory GB/s, compute GFLOP/s): {m0:.2f}, {c0:.0f} at the start; "
-         f"{m1:.2f}, {c1:.0f} at the end")
+    ends = (f"{gb:.2f}, {gflop:.0f} at the {when}" for (gb, gflop), when in zip(speeds, ("start", "end")))
+    _log(f"machine speed index (memory GB/s, compute GFLOP/s): {'; '.join(ends)}")
     samples = {"interference": interference, "short_interference": short,
                "memory_gbps": [m for m, _ in speeds], "compute_gflops": [c for _, c in speeds],
                "prefill": [s.__dict__ | {"gaps": None} for s in prefill],
@@ -210,7 +210,7 @@ def overlap_stretch(extra_s: float, overlap_s: float) -> float:
 
 
 def decoded_whole(sample: dict) -> bool:
-    """Whether a decode sample's gaps are its batch's steps. Profiles before 2026-12-07 prefilled long
+    """Whether a decode sample's gaps are its batch's steps. Profiles before 2026-12-06 22:45 prefilled long
     prompts inside the batch: two of 768 tokens end their prefills about when the first one's output is half
     done, but eight end 14 s apart, so that sample's gaps were mostly smaller batches beside a prefill (it
     read 89 ms where the batch takes about 125: it hid the context's cost, 46 kB of KV a token read every
