@@ -11,7 +11,8 @@ arrivals for its --seed, which --rounds 1 keeps whole) is simulated twice from t
 - at the run's machine speed: the decode step's constants scaled by the profile's memory bandwidth index
   over the run's, and the prefill's by its matrix-multiply index over the run's
   (`benchmarks.serving.cpu.machine_speed`, probed by both), since this VM's speed drifts by a fifth within
-  an hour with nothing else on it busy.
+  an hour with nothing else on it busy. (A check, not the accuracy figure: one core's probes do not
+  follow that drift reliably, docs/planner.md.)
 The last two use the run's measured noise, never its latencies.
 Errors are |simulated - measured| / measured on TTFT p50, TTFT p90 and ITL p50.
 """

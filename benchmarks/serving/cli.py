@@ -66,8 +66,8 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     p.add_argument("--title", default="", help="the figure's title")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--memory-probe", action="store_true",
-                   help="record one core's memory bandwidth before and after each run (1 s each; the "
-                        "planner's accuracy table scales decode by it)")
+                   help="record one core's memory bandwidth and matrix-multiply rate before and after each "
+                        "run (2 s each time; `benchmarks.serving.cpu.machine_speed`)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="after the last send, give up on requests still streaming after this many seconds")
