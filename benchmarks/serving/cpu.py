@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -40,22 +42,30 @@ def memory_gbps(seconds: float | None = None) -> float:
 def compute_gflops(seconds: float | None = None) -> float:
     """One core's float32 matrix-multiply speed now (GFLOP/s), the median of repeated products shaped like
     a prefill chunk's (256 tokens through a 2,048-wide layer) for about `seconds` (`PROBE_S`): an index, as
-    `memory_gbps` is."""
-    import torch
+    `memory_gbps` is. Measured in a child process with one BLAS thread: the caller's own thread pools stay
+    as they are, and the router's and planner's processes never load torch."""
+    out = subprocess.run([sys.executable, "-c", f"from benchmarks.serving.cpu import _gemm_gflops; "
+                          f"print(_gemm_gflops({PROBE_S if seconds is None else seconds}))"],
+                         env=os.environ | dict.fromkeys(_BLAS_THREADS, "1"), capture_output=True, text=True,
+                         timeout=60, check=True)
+    return float(out.stdout)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(256, 2048), torch.randn(2048, 2048)
-        flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        rates, end = [], time.perf_counter() + (PROBE_S if seconds is None else seconds)
-        while time.perf_counter() < end or len(rates) < 3:
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            rates.append(flops / (time.perf_counter() - t0) / 1e9)
-        return statistics.median(rates)
-    finally:
-        torch.set_num_threads(threads)
+
+_BLAS_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _gemm_gflops(seconds: float) -> float:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.random((256, 2048), np.float32), rng.random((2048, 2048), np.float32)
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    rates, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(rates) < 3:
+        t0 = time.perf_counter()
+        a @ b
+        rates.append(flops / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
 
 
 def machine_speed() -> tuple[float, float]:
