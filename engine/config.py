@@ -15,15 +15,22 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
 ROPE_TYPES = ("linear", "llama3", "freq_factors")
 
 
-def _slides(d: dict[str, Any], family: str) -> bool:
-    """Whether any layer attends over a sliding window (transformers' rule for each family): every Mistral
-    layer where `sliding_window` is set; a Qwen2 layer with `use_sliding_window` from `max_window_layers`
-    on (28 where unset), or as `layer_types` lists them where the config has that key."""
+def _sliding_window(d: dict[str, Any], family: str) -> int | None:
+    """The window of the model's sliding-window layers, None where none slides, as transformers' configs
+    read the keys (a missing `sliding_window` is 4,096): every Mistral layer; a Qwen2 or Qwen3 layer only
+    with `use_sliding_window`, from `max_window_layers` on (28 where unset), or as `layer_types` lists
+    them where the config has that key."""
+    window = d.get("sliding_window", 4096)
+    if window is None:
+        return None
     if family == "mistral":
-        return True
-    if "layer_types" in d:
-        return "sliding_attention" in d["layer_types"]
-    return bool(d.get("use_sliding_window")) and d.get("max_window_layers", 28) < d["num_hidden_layers"]
+        return int(window)
+    if family not in ("qwen2", "qwen3") or not d.get("use_sliding_window"):
+        return None
+    layers = d.get("layer_types")
+    slides = ("sliding_attention" in layers if layers is not None
+              else d.get("max_window_layers", 28) < d["num_hidden_layers"])
+    return int(window) if slides else None
 
 
 @dataclass(frozen=True)
@@ -103,11 +110,11 @@ class ModelConfig:
             raise ValueError("mlp_bias: the built-in engine serves MLPs without biases; use `--engine vllm`")
         attention_bias = bool(d.get("attention_bias", False))  # (Qwen2 has no such key: its q/k/v always do)
         context = d.get("max_position_embeddings", 2048)
-        # NOTE: sliding-window attention (Mistral 7B v0.1; Qwen2's layers from max_window_layers) equals full
-        # attention up to the window. The built-in engine attends over everything, so it serves such a model
-        # up to its window, exactly, rather than past it, wrongly.
-        window = d.get("sliding_window")
-        if window and _slides(d, family):
+        # NOTE: sliding-window attention (Mistral 7B v0.1; Qwen2/3 layers from max_window_layers) equals
+        # full attention up to the window. The built-in engine attends over everything, so it serves such a
+        # model up to its window, exactly, rather than past it, wrongly.
+        window = _sliding_window(d, family)
+        if window:
             context = min(context, window)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

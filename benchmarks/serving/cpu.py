@@ -11,12 +11,15 @@ matrix multiplies: the probes are an index of each. Reported with every run.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 PROBE_BYTES = 64 << 20  # past any cache here
 PROBE_S = 1.0  # (one second: within 2% run to run here; a quarter second, 10%)
@@ -68,9 +71,14 @@ def _gemm_gflops(seconds: float) -> float:
     return statistics.median(rates)
 
 
-def machine_speed() -> tuple[float, float]:
-    """(memory_gbps(), compute_gflops()): 2 s."""
-    return memory_gbps(), compute_gflops()
+def machine_speed() -> tuple[float, float] | None:
+    """(memory_gbps(), compute_gflops()): 2 s. None, with a warning, where a probe fails: it is context
+    for a run, never a reason to lose one."""
+    try:
+        return memory_gbps(), compute_gflops()
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        logger.warning("the machine speed probe failed (%s); this run goes without it", e)
+        return None
 
 
 def _busy_seconds() -> float:
@@ -130,7 +138,7 @@ class CpuMeter:
 
     def __init__(self, probe: bool = False) -> None:
         self._probe = probe
-        self._speeds = (machine_speed(),) if probe else ()
+        self._speeds = (machine_speed(),) if probe else ()  # (None where it failed: left out at `stop`)
         try:
             self._start = (time.perf_counter(), _busy_seconds(), _tree_seconds())
         except ImportError:
@@ -143,4 +151,4 @@ class CpuMeter:
         wall = max(time.perf_counter() - t0, 1e-9)
         busy, ours = _busy_seconds() - busy0, _tree_seconds() - ours0
         speeds = self._speeds + ((machine_speed(),) if self._probe else ())
-        return CpuShare(ours, max(0.0, busy - ours), wall, speeds)
+        return CpuShare(ours, max(0.0, busy - ours), wall, tuple(s for s in speeds if s is not None))

@@ -209,18 +209,31 @@ def test_a_sliding_window_model_is_served_up_to_its_window_where_full_attention_
     mistral = {**base, "model_type": "mistral"}
     assert ModelConfig.from_hf({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
     assert ModelConfig.from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 32768
-    # Qwen2 slides from layer max_window_layers on (28 where unset): as transformers' config writes it, and as
-    # an older config.json without layer_types says it
-    qwen2 = {**base, "model_type": "qwen2", "sliding_window": 4096, "num_hidden_layers": 4}
-    for window_layers, context in ((None, 32768), (1, 4096), (4, 32768)):
-        keys = {"use_sliding_window": True} | ({"max_window_layers": window_layers} if window_layers else {})
-        written = transformers.Qwen2Config(**{**qwen2, **keys}).to_dict()
-        assert "layer_types" in written
-        for d in (written, {**qwen2, **keys}):
-            assert ModelConfig.from_hf(d).max_position_embeddings == context, (keys, d.get("layer_types"))
-    off = transformers.Qwen2Config(**{**qwen2, "use_sliding_window": False, "max_window_layers": 1}).to_dict()
-    for d in (off, {**qwen2, "use_sliding_window": False, "max_window_layers": 1}):
-        assert ModelConfig.from_hf(d).max_position_embeddings == 32768
+    # a Mistral config without the key has transformers' default window
+    unset = {k: v for k, v in mistral.items() if k != "sliding_window"}
+    assert transformers.MistralConfig().sliding_window == 4096
+    assert ModelConfig.from_hf(unset).max_position_embeddings == 4096
+    # Qwen2 and Qwen3 slide from layer max_window_layers on (28 where unset), with use_sliding_window only: as
+    # transformers' config writes it, and as an older config.json without layer_types says it
+    for family, cls in (("qwen2", transformers.Qwen2Config), ("qwen3", transformers.Qwen3Config)):
+        qwen = {**base, "model_type": family, "sliding_window": 4096, "num_hidden_layers": 4}
+        for window_layers, context in ((None, 32768), (1, 4096), (4, 32768)):
+            keys = {"use_sliding_window": True}
+            if window_layers:
+                keys["max_window_layers"] = window_layers
+            written = cls(**{**qwen, **keys}).to_dict()
+            assert "layer_types" in written
+            for d in (written, {**qwen, **keys}):
+                assert ModelConfig.from_hf(d).max_position_embeddings == context, (family, keys)
+        # use_sliding_window off: full attention whatever the other keys say (transformers drops the window)
+        off = {**qwen, "use_sliding_window": False, "max_window_layers": 1,
+               "layer_types": ["sliding_attention"] * 4}
+        assert cls(**off).sliding_window is None
+        for d in (cls(**off).to_dict(), off):
+            assert ModelConfig.from_hf(d).max_position_embeddings == 32768
+    # Llama never slides
+    llama = ModelConfig.from_hf({**base, "use_sliding_window": True, "sliding_window": 64})
+    assert llama.max_position_embeddings == 32768
 
 
 def test_a_config_without_optional_keys_reads_as_transformers_defaults_them():

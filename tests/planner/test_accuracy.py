@@ -4,6 +4,7 @@ multiplies) the profile and each bench run record, and the decode and prefill co
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 
 import pytest
 
@@ -49,3 +50,15 @@ def test_a_run_at_half_the_profile_s_memory_speed_is_simulated_with_decode_steps
     # a profile or a run without the indexes: that table is left out
     assert "simulated_at_machine_speed" not in planner_accuracy.evaluate(p, CASE)
     assert "simulated_at_machine_speed" not in planner_accuracy.evaluate(probed, CASE | {"memory_gbps": None})
+
+
+def test_a_failed_probe_costs_the_run_its_speed_index_not_the_run(monkeypatch):
+    monkeypatch.setattr(cpu, "PROBE_S", 0.02)
+
+    def broken(seconds=None):
+        raise subprocess.CalledProcessError(1, "python", stderr="no numpy")
+
+    monkeypatch.setattr(cpu, "compute_gflops", broken)
+    assert cpu.machine_speed() is None
+    share = cpu.CpuMeter(probe=True).stop()
+    assert share is not None and share.speeds == () and "memory_gbps" not in share.to_dict()
