@@ -41,12 +41,11 @@ def cases(paths: list[str]) -> list[dict]:
         if s.get("rounds") != 1 or not s.get("rate"):
             raise ValueError(f"{path}: needs an open-loop run with --rounds 1 (the simulated trace is whole)")
         for run in d["runs"]:
+            cpu = run.get("cpu") or {}
             out.append({"file": path, "command": d["command"], "layout": run["layout"], "workload": run["workload"],
                         "rate": s["rate"], "num_requests": s["num_requests"], "seed": s["seed"],
-                        "others_cores": (run.get("cpu") or {}).get("others_cores"),
-                        "memory_gbps": (run.get("cpu") or {}).get("memory_gbps"),
-                        "compute_gflops": (run.get("cpu") or {}).get("compute_gflops"),
-                        "measured": run["summary"]})
+                        "others_cores": cpu.get("others_cores"), "memory_gbps": cpu.get("memory_gbps"),
+                        "compute_gflops": cpu.get("compute_gflops"), "measured": run["summary"]})
     return out
 
 

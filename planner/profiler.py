@@ -48,7 +48,7 @@ from planner.profile import (
 
 PREFILL_LENGTHS = (32, 64, 128, 256, 384, 512, 768, 1024, 1280)
 CACHED_CASES = ((512, 64), (1024, 64), (1024, 512))  # (prompt tokens, uncached tail)
-# (batch, prompt tokens); prompts of LONG_PROMPT tokens or more are cached first (`Prober.batch`)
+# (batch, prompt tokens); prompts of LONG_PROMPT tokens or more are cached first (`Prober.cache`)
 DECODE_BATCHES = ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (2, 768), (8, 768), (4, 1280))
 DECODE_OUTPUT = 48
 LONG_PROMPT = 512
@@ -151,8 +151,8 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
         _log(f"[cached] {n} tokens, {cached[-1].cached} cached: {cached[-1].server_prefill_s * 1e3:.0f} ms")
     decode, cpu, tokens = [], 0.0, 0
     for i, (b, p) in enumerate(DECODE_BATCHES):
-        prompts = [probe.tokens(p) for _ in range(b)]
-        if p >= LONG_PROMPT:
+        prompts, long = [probe.tokens(p) for _ in range(b)], p >= LONG_PROMPT
+        if long:
             await probe.cache(prompts)
         c0 = time.process_time()
         got = await probe.batch(prompts, DECODE_OUTPUT)
@@ -160,8 +160,8 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
         tokens += b * DECODE_OUTPUT
         gaps = [g for s in got for g in s.gaps]
         # NOTE: what happened, not what was asked: a prompt evicted meanwhile (a small cache) prefilled whole
-        cached_first = p >= LONG_PROMPT and all(s.cached >= p // 2 for s in got)
-        if p >= LONG_PROMPT and not cached_first:
+        cached_first = long and all(s.cached >= p // 2 for s in got)
+        if long and not cached_first:
             _log(f"batch {b} of {p}-token prompts: some missed the prefix cache (evicted?); the fit leaves "
                  "this sample out")
         decode.append({"batch": b, "prompt_len": p, "gap_p50_s": statistics.median(gaps),

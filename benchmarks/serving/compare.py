@@ -45,7 +45,7 @@ class Plan:
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 300.0
     progress: bool = True
-    memory_probe: bool = False  # `benchmarks.serving.cpu.memory_gbps` before and after each run
+    memory_probe: bool = False  # `benchmarks.serving.cpu.machine_speed` before and after each run
 
     def __post_init__(self) -> None:
         if self.rounds < 1:

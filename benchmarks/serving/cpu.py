@@ -25,6 +25,16 @@ PROBE_BYTES = 64 << 20  # past any cache here
 PROBE_S = 1.0  # (one second: within 2% run to run here; a quarter second, 10%)
 
 
+def _median_rate(work, amount: float, seconds: float) -> float:
+    """`amount` over the seconds one `work()` takes: the median of repeats for about `seconds`, 3 at least."""
+    rates, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(rates) < 3:
+        t0 = time.perf_counter()
+        work()
+        rates.append(amount / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
 def memory_gbps(seconds: float | None = None) -> float:
     """One core's copy bandwidth now (GB/s of bytes read), the median of repeated copies of `PROBE_BYTES`
     for about `seconds` (`PROBE_S`): an index of the machine's memory speed to compare runs by, not a
@@ -34,12 +44,8 @@ def memory_gbps(seconds: float | None = None) -> float:
     src = np.ones(PROBE_BYTES // 8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # (pages touched)
-    rates, end = [], time.perf_counter() + (PROBE_S if seconds is None else seconds)
-    while time.perf_counter() < end or len(rates) < 3:
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        rates.append(PROBE_BYTES / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
+    seconds = PROBE_S if seconds is None else seconds
+    return _median_rate(lambda: np.copyto(dst, src), PROBE_BYTES / 1e9, seconds)
 
 
 def compute_gflops(seconds: float | None = None) -> float:
@@ -62,13 +68,7 @@ def _gemm_gflops(seconds: float) -> float:
 
     rng = np.random.default_rng(0)
     a, b = rng.random((256, 2048), np.float32), rng.random((2048, 2048), np.float32)
-    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    rates, end = [], time.perf_counter() + seconds
-    while time.perf_counter() < end or len(rates) < 3:
-        t0 = time.perf_counter()
-        a @ b
-        rates.append(flops / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
+    return _median_rate(lambda: a @ b, 2 * a.shape[0] * a.shape[1] * b.shape[1] / 1e9, seconds)
 
 
 def machine_speed() -> tuple[float, float] | None:
