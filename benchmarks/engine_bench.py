@@ -50,6 +50,8 @@ Decisions, so the numbers can be argued with:
   prefix cache, so every engine run decodes all its sequences together from its first step. One engine
   runs each case with its paged-attention kernel, then with the kernel off (blocks gathered per layer,
   then SDPA: the path before the kernel), then HF decodes the same prompts; each reports its median step.
+  With `--context-kv-cache-dtype bfloat16,fp8`, an engine over each of those caches (float32 weights)
+  runs every case too (`kv_<dtype>_step_ms`, and its own step growth with context).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from engine.config import SpeculativeConfig, cdiv
+from engine.config import KV_CACHE_DTYPES, SpeculativeConfig, cdiv
 from engine.hub import ensure_smollm2
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
@@ -110,8 +112,8 @@ class BenchConfig:
     context_batches: tuple[int, ...] = (1, 8, 32)
     context_max_tokens: int = 8 * 4096  # batch x context cap (HF prefills it in one padded batch)
     context_steps: int = 16  # decode steps per context run
-    # also run each context case over a KV cache of this dtype (float32 weights), side by side ("bfloat16")
-    context_kv_cache_dtype: str | None = None
+    # also run each context case over KV caches of these dtypes (float32 weights), side by side ("bfloat16")
+    context_kv_cache_dtypes: tuple[str, ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -537,9 +539,9 @@ def bench_context(cfg: BenchConfig, hf: transformers.PreTrainedModel, rng: rando
     """Decode steps at long contexts: the engine with its paged kernel, the same engine with the kernel off
     (blocks gathered per layer, then SDPA: the path before the kernel), and transformers, in turn per case.
     Prompts of exactly `n` tokens, so every sequence of a batch decodes at the same context. With
-    `context_kv_cache_dtype`, a second engine over a cache of that dtype runs each case too ("narrow")."""
+    `context_kv_cache_dtypes`, an engine over a cache of each of those dtypes runs each case too."""
     engine = load_context_engine(cfg)
-    narrow = load_context_engine(cfg, cfg.context_kv_cache_dtype) if cfg.context_kv_cache_dtype else None
+    narrow = {dtype: load_context_engine(cfg, dtype) for dtype in cfg.context_kv_cache_dtypes}
     kernels = engine.runner.kernels
     results = {}
     for batch, n in context_cases(cfg):
@@ -555,11 +557,11 @@ def bench_context(cfg: BenchConfig, hf: transformers.PreTrainedModel, rng: rando
             "batch": batch, "context": n, "engine_step_ms": e * 1e3, "gather_step_ms": g * 1e3,
             "hf_step_ms": h * 1e3, "engine_tok_s": batch / e, "gather_tok_s": batch / g, "hf_tok_s": batch / h}
         note = ""
-        if narrow is not None:
-            engine_prefill_into_cache(narrow, prompts)
-            w = engine_decode_step(narrow, prompts, steps)
-            case.update(narrow_step_ms=w * 1e3, narrow_tok_s=batch / w)
-            note = f", {cfg.context_kv_cache_dtype} KV {w * 1e3:.1f}"
+        for dtype, other in narrow.items():
+            engine_prefill_into_cache(other, prompts)
+            w = engine_decode_step(other, prompts, steps)
+            case.update({f"kv_{dtype}_step_ms": w * 1e3, f"kv_{dtype}_tok_s": batch / w})
+            note += f", {dtype} KV {w * 1e3:.1f}"
         progress(f"decode batch {batch} at {n} tokens: engine {e * 1e3:.1f} ms/step, kernel off "
                  f"{g * 1e3:.1f}, HF {h * 1e3:.1f}{note}"
                  + ("" if kernels else " (no kernel: both engine columns gather)"))
@@ -578,13 +580,19 @@ def context_ratios(context: dict[str, dict[str, float]]) -> dict[str, float]:
         for c in cases[1:]:
             out[f"decode_b{batch}_ctx{c['context']}_vs_ctx{cases[0]['context']}_step"] = (
                 c["engine_step_ms"] / cases[0]["engine_step_ms"])
-            if "narrow_step_ms" in c:  # the narrow cache's own step growth, and its step against float32's
-                out[f"decode_b{batch}_ctx{c['context']}_vs_ctx{cases[0]['context']}_step_narrow_kv"] = (
-                    c["narrow_step_ms"] / cases[0]["narrow_step_ms"])
+            for dtype in narrow_dtypes(c):  # a narrow cache's own step growth, and its step against float32's
+                out[f"decode_b{batch}_ctx{c['context']}_vs_ctx{cases[0]['context']}_step_{dtype}_kv"] = (
+                    c[f"kv_{dtype}_step_ms"] / cases[0][f"kv_{dtype}_step_ms"])
     for key, c in context.items():
-        if "narrow_step_ms" in c:
-            out[f"decode_{key}_narrow_kv_vs_engine"] = c["narrow_tok_s"] / c["engine_tok_s"]
+        for dtype in narrow_dtypes(c):
+            out[f"decode_{key}_{dtype}_kv_vs_engine"] = c[f"kv_{dtype}_tok_s"] / c["engine_tok_s"]
     return out
+
+
+def narrow_dtypes(case: dict[str, float]) -> list[str]:
+    """The narrow caches a context case also ran over (its `kv_<dtype>_step_ms` keys)."""
+    return [k.removeprefix("kv_").removesuffix("_step_ms") for k in case if k.startswith("kv_") and
+            k.endswith("_step_ms")]
 
 
 def warm_up(engine: LLMEngine, hf: transformers.PreTrainedModel, rng: random.Random, vocab: int) -> None:
@@ -650,9 +658,9 @@ def table(r: dict) -> str:
         row(f"decode b{c['batch']} ctx {c['context']} (tok/s)", c["engine_tok_s"], c["hf_tok_s"], "")
         rows.append(f"{'':<30}kernel off {c['gather_tok_s']:.1f} tok/s: the kernel "
                     f"{c['engine_tok_s'] / c['gather_tok_s']:.2f}x")
-        if "narrow_tok_s" in c:
-            rows.append(f"{'':<30}narrow KV cache {c['narrow_tok_s']:.1f} tok/s: "
-                        f"{c['narrow_tok_s'] / c['engine_tok_s']:.2f}x the float32 cache")
+        for dtype in narrow_dtypes(c):
+            rows.append(f"{'':<30}{dtype} KV cache {c[f'kv_{dtype}_tok_s']:.1f} tok/s: "
+                        f"{c[f'kv_{dtype}_tok_s'] / c['engine_tok_s']:.2f}x the float32 cache")
     if f := r["roofline"]:
         rows.append(f"roofline: {f['bytes_per_step'] / 1e6:.1f} MB per decode step / {f['copy_gb_s']:.1f} GB/s "
                     f"copy = {f['step_ms']:.1f} ms; engine batch 1 beside it {f['engine_step_ms']:.1f} ms = "
@@ -683,8 +691,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the context section's tokens of context, comma-separated (default 16,256,1024,4096)")
     parser.add_argument("--context-batches", default=None,
                         help="the context section's batch sizes, comma-separated (default 1,8,32)")
-    parser.add_argument("--context-kv-cache-dtype", default=None, choices=["bfloat16", "float16"],
-                        help="the context section also runs every case over a KV cache of this dtype, side by side")
+    parser.add_argument("--context-kv-cache-dtype", default=None,
+                        help="the context section also runs every case over KV caches of these dtypes, "
+                             f"side by side (comma-separated, of {', '.join(KV_CACHE_DTYPES[1:])})")
     args = parser.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if unknown := set(sections) - set(SECTIONS):
@@ -697,7 +706,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.context_batches:
         cfg = dataclasses.replace(cfg, context_batches=tuple(int(b) for b in args.context_batches.split(",")))
     if args.context_kv_cache_dtype:
-        cfg = dataclasses.replace(cfg, context_kv_cache_dtype=args.context_kv_cache_dtype)
+        dtypes = tuple(d for d in args.context_kv_cache_dtype.split(",") if d)
+        if bad := [d for d in dtypes if d not in KV_CACHE_DTYPES[1:]]:
+            parser.error(f"--context-kv-cache-dtype: {bad} not of {', '.join(KV_CACHE_DTYPES[1:])}")
+        cfg = dataclasses.replace(cfg, context_kv_cache_dtypes=dtypes)
     result = run(cfg, sections)
     progress("done")
     print(json.dumps(result, indent=2) if args.json else table(result))

@@ -149,9 +149,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the prefill pool's engine (default --engine); it must match the decode pool's")
     p.add_argument("--decode-engine", choices=["builtin", "vllm"], default=None,
                    help="the decode pool's engine (default --engine)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--kv-cache-dtype", default=None,
+                   choices=["float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="the built-in engine's KV cache dtype (default: the model's); bfloat16 under a float32 "
-                        "model halves the KV a long-context decode step reads, at a rounding of K and V")
+                        "model halves the KV a long-context decode step reads and fp8 (e4m3) quarters it, at "
+                        "a rounding of K and V")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: the engine's, 16 built-in, 128 vLLM)")
     p.add_argument("--speculative", choices=["ngram"], default=None,

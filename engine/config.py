@@ -195,13 +195,15 @@ class CacheConfig:
     device_share: float = 1.0
     # the cache's dtype; None: the model's. A bfloat16 or float16 cache under a float32 model halves the
     # bytes a decode step reads at long context (and doubles the blocks a memory budget holds), at a
-    # rounding of K and V to 8 significant bits (bfloat16) or 11 (float16). The built-in engine's.
+    # rounding of K and V to 8 significant bits (bfloat16) or 11 (float16); an 8-bit one (`FP8_KV_DTYPES`,
+    # under a model of any dtype) quarters them at a rounding to 4 bits (fp8) or 3 (fp8_e5m2). The
+    # built-in engine's.
     dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"CacheConfig.dtype must be one of {sorted(DTYPES)} (or None: the model's), "
-                             f"got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"CacheConfig.dtype must be one of {list(KV_CACHE_DTYPES)} (or None: the "
+                             f"model's), got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"CacheConfig.block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -324,7 +326,8 @@ class EngineConfig:
         if self.cache.dtype is not None and self.backend == "vllm":
             raise ValueError("CacheConfig.dtype (--kv-cache-dtype) is the built-in engine's; a vLLM engine keeps "
                              "its KV in the model's dtype (use --dtype)")
-        if self.cache.dtype not in (None, self.dtype) and self.dtype not in (None, "float32"):
+        if (self.cache.dtype not in (None, self.dtype, *FP8_KV_DTYPES)
+                and self.dtype not in (None, "float32")):
             raise ValueError(f"CacheConfig.dtype {self.cache.dtype!r} under a {self.dtype} model: the KV cache "
                              "may be narrower than a float32 model only, or match the model's dtype")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -334,6 +337,11 @@ class EngineConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+# a KV cache may also hold one byte a value, by vLLM's `--kv-cache-dtype` names -> torch's: fp8 (= fp8_e4m3,
+# 3 mantissa bits, to +-448) or fp8_e5m2 (2 bits, to +-57,344); K and V past the range saturate. No scale
+# factors: vLLM's default (k_scale = v_scale = 1) without a calibrated checkpoint.
+FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPES = (*DTYPES, *FP8_KV_DTYPES)
 BACKENDS = ("builtin", "vllm")
 # the block size each backend runs by default on this kind of machine (vLLM's CPU attention: 128)
 DEFAULT_BLOCK_SIZE = {"builtin": 16, "vllm": 128}

@@ -14,6 +14,17 @@ import torch
 
 from engine.config import cdiv
 
+# the 8-bit float cache dtypes (`engine.config.FP8_KV_DTYPES`)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def index_copy(dest: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """`dest.index_copy_(dim, index, src)` for every cache dtype: torch has no CPU index_copy_ for 8-bit
+    floats, so those move as the bytes they are (`src` already in `dest`'s dtype)."""
+    if dest.dtype in FP8:
+        dest, src = dest.view(torch.uint8), src.view(torch.uint8)
+    dest.index_copy_(dim, index, src)
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:

@@ -14,9 +14,9 @@ import torch
 
 from engine.backend import EngineBackend, LayerHook, LayerHookFactory
 from engine.block_allocator import BlockAllocator
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import FP8_KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.hub import log, resolve_model
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import FP8, KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
@@ -94,8 +94,9 @@ class LLMEngine(EngineBackend):
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
 
-        self.kv_dtype = self.dtype if config.cache.dtype is None else pick_dtype(config.cache.dtype, self.device)
-        if self.kv_dtype != self.dtype and self.dtype != torch.float32:
+        self.kv_dtype = self.dtype if config.cache.dtype is None else pick_dtype(
+            FP8_KV_DTYPES.get(config.cache.dtype, config.cache.dtype), self.device)
+        if self.kv_dtype not in (self.dtype, *FP8) and self.dtype != torch.float32:
             raise ValueError(f"CacheConfig.dtype {config.cache.dtype!r} under a {self.dtype} model: the KV cache "
                              "may be narrower than a float32 model only, or match the model's dtype")
         self.cache_spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads,

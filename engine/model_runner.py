@@ -39,7 +39,9 @@ class ModelRunner:
         # attention's gather scratch; grows to the largest step seen and is kept (see `_gather_kv`)
         self.workspace = torch.empty(0, dtype=kv_cache.spec.dtype, device=self.device)
         # the paged kernel reads the cache in place; on other devices, or unbuilt, decode rows gather
-        self.kernels = cpu_kernels() if self.device.type == "cpu" else None
+        # (under a float32 model, or over a cache of the model's dtype: it widens narrow caches as it reads)
+        narrow = kv_cache.spec.dtype != model.dtype and model.dtype != torch.float32
+        self.kernels = cpu_kernels() if self.device.type == "cpu" and not narrow else None
 
     def execute(self, out: SchedulerOutput, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Logits [sum of chunk.num_logits, vocab] (float32), chunk by chunk: at each chunk's last token, and

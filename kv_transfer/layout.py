@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from engine.kv_cache import KVCacheSpec
+from engine.kv_cache import KVCacheSpec, index_copy
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -135,7 +135,7 @@ def scatter_layers(cache: torch.Tensor, first: int, block_ids: torch.Tensor, pac
     `block_ids` of `cache`."""
     dest = cache[first:first + packed.shape[0]]
     if dest.device.type != "cpu" or not dest.is_contiguous():  # a GPU, or a view of another engine's layout
-        dest.index_copy_(2, block_ids, packed)
+        index_copy(dest, 2, block_ids, packed)
         return
     # NOTE: on CPU, torch's index_copy_ moves element by element (11.7 ms for a 2,048-token SmolLM2 request,
     # 94 MB); numpy's fancy assignment over rows of whole blocks moves each block with one memcpy (4.6 ms),

@@ -10,7 +10,8 @@
 // which every query row and head shares one walk over each key and value row. A partition leaves its
 // unnormalised output with its running max and sum; a second pass merges a sequence's partitions (the
 // split-K rescaling of flash-decoding). Accumulation is in float32 whatever the dtypes; the cache may be
-// narrower than the queries (a bfloat16 or float16 cache under a float32 model: half the bytes to read).
+// narrower than the queries (a bfloat16 or float16 cache under a float32 model: half the bytes to read; an
+// 8-bit float one, e4m3 or e5m2: a quarter).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -85,11 +86,50 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// 2^e as a float, at compile time
+constexpr float pow2(int e) {
+  float f = 1.f;
+  for (; e > 0; --e) f *= 2.f;
+  for (; e < 0; ++e) f *= .5f;
+  return f;
+}
+
+// 16 values of an 8-bit float row as float32, for M mantissa bits and exponent bias B (e4m3: 3, 7; e5m2:
+// 2, 15). A normal byte's magnitude bits move into float32's places and an integer add rebiases the
+// exponent; a subnormal one (exponent 0) is its mantissa times 2^(1 - B - M), converted. No float32
+// subnormal is ever made: those cost the CPU a microcode assist per vector (half the speed of e4m3, whose
+// subnormals are the values below 2^-6). Both formats saturate when the cache is written, so no NaN or
+// infinity is read.
+template <int M, int B>
+inline v16 widen8(const void* p) {
+  typedef uint8_t b16 __attribute__((vector_size(16)));
+  typedef uint16_t h16 __attribute__((vector_size(32)));
+  typedef uint32_t u16 __attribute__((vector_size(64)));
+  b16 b;
+  std::memcpy(&b, p, sizeof(b));
+  // (through 16-bit lanes: in one step GCC 12 converts lane by lane)
+  const u16 w = __builtin_convertvector(__builtin_convertvector(b, h16), u16);
+  const u16 mag = w & 0x7fu;
+  const u16 normal = (mag << (23 - M)) + static_cast<uint32_t>((127 - B) << 23);
+  const v16 tiny = __builtin_convertvector(mag, v16) * pow2(1 - B - M);
+  u16 sub;
+  std::memcpy(&sub, &tiny, sizeof(sub));
+  const u16 is_sub = (u16)((mag >> M) == 0);  // all ones where the exponent is 0
+  const u16 bits = (sub & is_sub) | (normal & ~is_sub) | ((w & 0x80u) << 24);
+  v16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
 // 16 values of a cache row as float32: bfloat16 is float32's upper half, widened by a shift in registers
 template <typename C>
 inline v16 load16(const C* p) {
   if constexpr (std::is_same_v<C, float>) {
     return load16(static_cast<const float*>(p));
+  } else if constexpr (std::is_same_v<C, at::Float8_e4m3fn>) {
+    return widen8<3, 7>(p);
+  } else if constexpr (std::is_same_v<C, at::Float8_e5m2>) {
+    return widen8<2, 15>(p);
   } else if constexpr (std::is_same_v<C, at::BFloat16>) {
     typedef uint16_t h16 __attribute__((vector_size(32)));
     typedef uint32_t u16 __attribute__((vector_size(64)));
@@ -217,7 +257,7 @@ void value_rows(const Row* rows, const float* scores, float* acc, int64_t len, i
     for (int c = 0; c < NC; ++c) store16(acc + rows[rr].r * D + 16 * c, av[rr][c]);
 }
 
-// T: the queries' and output's dtype; C: the cache's (T, or a 16-bit type under float32 queries)
+// T: the queries' and output's dtype; C: the cache's (T, or a 16- or 8-bit type under float32 queries)
 template <typename T, typename C, int D>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seqs,
@@ -426,9 +466,11 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   TORCH_CHECK(qt == out.scalar_type() && ct == v_cache.scalar_type(),
               "paged_attention: q and out must share one dtype, and the two caches another");
-  TORCH_CHECK(ct == qt || (qt == torch::kFloat && (ct == torch::kBFloat16 || ct == torch::kHalf)),
-              "paged_attention: the caches must have q's dtype, or be bfloat16/float16 under float32 q; got q ",
-              qt, ", caches ", ct);
+  const bool narrow = ct == torch::kBFloat16 || ct == torch::kHalf || ct == torch::kFloat8_e4m3fn ||
+                      ct == torch::kFloat8_e5m2;
+  TORCH_CHECK(ct == qt || (qt == torch::kFloat && narrow),
+              "paged_attention: the caches must have q's dtype, or be bfloat16/float16/float8 under float32 "
+              "q; got q ", qt, ", caches ", ct);
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: heads must be a multiple of kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous() &&
                   seqs.scalar_type() == torch::kInt32 && seqs.is_contiguous() && seqs.size(1) == 3,
@@ -438,6 +480,12 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     return dispatch_head<float, at::BFloat16>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
   if (qt == torch::kFloat && ct == torch::kHalf)
     return dispatch_head<float, at::Half>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
+  if (qt == torch::kFloat && ct == torch::kFloat8_e4m3fn)
+    return dispatch_head<float, at::Float8_e4m3fn>(out, q, k_cache, v_cache, block_tables, seqs, scale,
+                                                   partition);
+  if (qt == torch::kFloat && ct == torch::kFloat8_e5m2)
+    return dispatch_head<float, at::Float8_e5m2>(out, q, k_cache, v_cache, block_tables, seqs, scale,
+                                                 partition);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qt, "paged_attention", [&] {
     dispatch_head<scalar_t, scalar_t>(out, q, k_cache, v_cache, block_tables, seqs, scale, partition);
   });

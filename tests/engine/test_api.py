@@ -33,7 +33,8 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     (lambda: CacheConfig(device_share=0), "device_share"),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (lambda: EngineConfig(model="tiny-random", dtype="float8"), "dtype"),
-    (lambda: CacheConfig(dtype="float8"), "CacheConfig.dtype"),
+    (lambda: CacheConfig(dtype="float8"),
+     r"CacheConfig.dtype must be one of .*'fp8', 'fp8_e4m3', 'fp8_e5m2'"),
     # a cache narrower than the model only under float32 weights; vLLM keeps its own
     (lambda: EngineConfig(model="tiny-random", dtype="bfloat16", cache=CacheConfig(dtype="float16")),
      "CacheConfig.dtype 'float16' under a bfloat16 model"),

@@ -173,11 +173,13 @@ class Peer:
             return "COLLECTED"
 
     def sent(self, key: str, request_id: str) -> torch.Tensor:
-        """[num_layers, 2, n, block_size, num_kv_heads, head_dim]: what the sender's blocks held."""
-        return self._eps[key].sent[request_id]
+        """[num_layers, 2, n, block_size, num_kv_heads, head_dim]: what the sender's blocks held, as bytes
+        (the caller compares bytes; and Ray cannot pickle a float8 tensor)."""
+        return self._eps[key].sent[request_id].view(torch.uint8)
 
     def blocks(self, key: str, block_ids: list[int]) -> torch.Tensor:
-        return self._eps[key].cache.tensor[:, :, block_ids].cpu().clone()
+        """What the cache's `block_ids` hold, as bytes, in the same shape."""
+        return self._eps[key].cache.tensor[:, :, block_ids].cpu().clone().view(torch.uint8)
 
     def outcome(self, key: str, request_id: str, timeout_s: float) -> Outcome:
         with self._cv:

@@ -61,7 +61,7 @@ def test_malformed_descriptor_bytes_are_a_value_error():
         TransferDescriptor.from_bytes(b"{not json")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 def test_pack_then_scatter_moves_blocks_bit_for_bit(dtype):
     spec = KVCacheSpec(3, 2, 4, 8, dtype)
     src, dst = KVCache(spec, 10), KVCache(spec, 12)

@@ -119,6 +119,7 @@ SPECS = {
     "fp32-L3-bs16": Spec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32"),
     "bf16-L5-bs4": Spec(num_layers=5, num_kv_heads=4, head_dim=16, block_size=4, dtype="bfloat16"),
     "fp16-L2-bs8": Spec(num_layers=2, num_kv_heads=1, head_dim=32, block_size=8, dtype="float16"),
+    "fp8-L2-bs16": Spec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float8_e4m3fn"),
     "smollm2-L30": Spec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32"),
 }
 
