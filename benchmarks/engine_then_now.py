@@ -36,6 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ISSUE_29_FILED = "bb212ee"  # the last commit of 2026-12-02, when issue #29 measured "today"
 TREES = ("engine", "protocol")  # what the engine imports of this repository
+# this repository's top-level packages (pyproject's): a child must take every one it imports from its tree
+PACKAGES = {"engine", "protocol", "router", "kv_transfer", "control", "planner", "protos", "prefill_worker",
+            "decode_worker", "benchmarks"}
 FIRST_PROMPT_ID = 100  # random prompt tokens stay clear of SmolLM2's special tokens (ids 0-16)
 BLOCK_SIZE = 16
 STEPS = 16
@@ -92,7 +95,11 @@ def measure(model: str, cases: list[tuple[int, int]], threads: int, seed: int) -
         run(prompts, 1)  # into the prefix cache: every sequence then decodes from the first step
         steps = run(prompts, STEPS)
         results[f"b{batch}_ctx{n}"] = statistics.median(steps) * 1e3
-    return {"engine": str(Path(engine.__file__).parent), "step_ms": results}
+    # every module of this repository's packages the engine pulled in, with where it came from: an editable
+    # install's finder maps packages the old tree lacks onto the working tree, which would mix the two
+    ours = {m.__name__: m.__file__ for m in list(sys.modules.values())
+            if m.__name__.split(".")[0] in PACKAGES and getattr(m, "__file__", None)}
+    return {"engine": str(Path(engine.__file__).parent), "modules": ours, "step_ms": results}
 
 
 def child_main() -> None:
@@ -123,8 +130,10 @@ def one_process(tree: Path, args: dict, timeout_s: float) -> dict:
     if done.returncode:
         raise SystemExit(f"the engine under {tree} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    if Path(got["engine"]).parent != tree.resolve():
-        raise SystemExit(f"the process under {tree} imported the engine from {got['engine']}")
+    root = tree.resolve()
+    strays = {name: f for name, f in got["modules"].items() if not Path(f).resolve().is_relative_to(root)}
+    if strays:
+        raise SystemExit(f"the process under {tree} imported modules from elsewhere: {strays}")
     return got["step_ms"]
 
 

@@ -27,7 +27,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import index_copy
+from engine.kv_cache import as_cache_dtype, index_copy
 
 # a decode group's longest context may be at most this many times its shortest (bounded padding)
 DECODE_GROUP_SLACK = 1.25
@@ -88,8 +88,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     kvh, d = k.shape[1], k.shape[2]
     # NOTE: a cache narrower than the model (`CacheConfig.dtype`) takes k/v rounded to its dtype; what is
     # read back is widened again to q's before SDPA (the kernel widens as it reads)
-    index_copy(k_cache.view(-1, kvh, d), 0, meta.slot_mapping, k.to(k_cache.dtype))
-    index_copy(v_cache.view(-1, kvh, d), 0, meta.slot_mapping, v.to(v_cache.dtype))
+    index_copy(k_cache.view(-1, kvh, d), 0, meta.slot_mapping, as_cache_dtype(k, k_cache.dtype))
+    index_copy(v_cache.view(-1, kvh, d), 0, meta.slot_mapping, as_cache_dtype(v, v_cache.dtype))
 
     if len(meta.seqs) == 1 and not meta.decode_groups and meta.kernel is None:
         return _attend_seq(q, k, v, k_cache, v_cache, meta.seqs[0], meta.workspace, scale)

@@ -326,6 +326,9 @@ class EngineConfig:
         if self.cache.dtype is not None and self.backend == "vllm":
             raise ValueError("CacheConfig.dtype (--kv-cache-dtype) is the built-in engine's; a vLLM engine keeps "
                              "its KV in the model's dtype (use --dtype)")
+        if self.cache.dtype in FP8_KV_DTYPES and self.device not in (None, "cpu"):
+            raise ValueError(f"CacheConfig.dtype {self.cache.dtype!r} (--kv-cache-dtype): an 8-bit cache is "
+                             f"checked on the CPU only, not on {self.device}; use bfloat16 there")
         if (self.cache.dtype not in (None, self.dtype, *FP8_KV_DTYPES)
                 and self.dtype not in (None, "float32")):
             raise ValueError(f"CacheConfig.dtype {self.cache.dtype!r} under a {self.dtype} model: the KV cache "

@@ -18,6 +18,16 @@ from engine.config import cdiv
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def as_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` rounded into a cache of `dtype`. An 8-bit float saturates at its largest finite value: torch's
+    conversion does so for e4m3 (448) but makes e5m2's overflow infinite, which attention would turn into
+    NaN."""
+    if dtype in FP8:
+        most = torch.finfo(dtype).max
+        x = x.clamp(-most, most)
+    return x.to(dtype)
+
+
 def index_copy(dest: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
     """`dest.index_copy_(dim, index, src)` for every cache dtype: torch has no CPU index_copy_ for 8-bit
     floats, so those move as the bytes they are (`src` already in `dest`'s dtype)."""

@@ -38,6 +38,9 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     # a cache narrower than the model only under float32 weights; vLLM keeps its own
     (lambda: EngineConfig(model="tiny-random", dtype="bfloat16", cache=CacheConfig(dtype="float16")),
      "CacheConfig.dtype 'float16' under a bfloat16 model"),
+    # an 8-bit cache: not run on a GPU yet
+    (lambda: EngineConfig(model="tiny-random", device="cuda", cache=CacheConfig(dtype="fp8")),
+     "CacheConfig.dtype 'fp8' .* checked on the CPU only, not on cuda"),
     (lambda: EngineConfig(model="tiny-random", backend="vllm", cache=CacheConfig(dtype="bfloat16")),
      "kv-cache-dtype"),
 ])
