@@ -74,15 +74,16 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
+from benchmarks.engine_then_now import decode_steps
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from engine.config import SpeculativeConfig, cdiv
+from engine.config import FP8_KV_DTYPES, SpeculativeConfig, cdiv
 from engine.hub import ensure_smollm2
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 
 MODEL = "smollm2-135m"
 PAD_ID = 0
-NARROW = ("bfloat16", "float16", "fp8", "fp8_e5m2")  # the context section's other caches (fp8 is e4m3)
+NARROW = ("bfloat16", "float16", *FP8_KV_DTYPES)  # the context section's other caches
 FIRST_PROMPT_ID = 100  # random prompt tokens stay clear of SmolLM2's special tokens (ids 0-16)
 BLOCK_SIZE = 16
 COPY_BYTES = 512 * 2**20
@@ -239,16 +240,7 @@ def load_hf() -> transformers.PreTrainedModel:
 
 def engine_decode_step(engine: LLMEngine, prompts: Sequence[Prompt], new_tokens: int) -> float:
     """Median seconds of one engine step among the steps in which every sequence decodes."""
-    for p in prompts:
-        engine.add_request(p, greedy(new_tokens))
-    steps = []
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        out, _ = engine.step()
-        dt = time.perf_counter() - t0
-        if len(out.chunks) == len(prompts) and all(c.num_tokens == 1 for c in out.chunks):
-            steps.append(dt)
-    return statistics.median(steps)
+    return statistics.median(decode_steps(engine, list(prompts), new_tokens))
 
 
 def engine_steps_until(engine: LLMEngine, handles: Sequence[Request], tokens: float) -> float:
@@ -707,10 +699,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.context_batches:
         cfg = dataclasses.replace(cfg, context_batches=tuple(int(b) for b in args.context_batches.split(",")))
     if args.context_kv_cache_dtype:
-        dtypes = tuple(dict.fromkeys(d for d in args.context_kv_cache_dtype.split(",") if d))
-        if bad := [d for d in dtypes if d not in NARROW]:
+        names = [d for d in args.context_kv_cache_dtype.split(",") if d]
+        if bad := [d for d in names if d not in NARROW]:
             parser.error(f"--context-kv-cache-dtype: {bad} not of {', '.join(NARROW)}")
-        cfg = dataclasses.replace(cfg, context_kv_cache_dtypes=dtypes)
+        once = {FP8_KV_DTYPES.get(d, d): d for d in reversed(names)}  # one engine a dtype (fp8 is fp8_e4m3)
+        cfg = dataclasses.replace(cfg, context_kv_cache_dtypes=tuple(reversed(once.values())))
     result = run(cfg, sections)
     progress("done")
     print(json.dumps(result, indent=2) if args.json else table(result))

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 ISSUE_29_FILED = "bb212ee"  # the last commit of 2026-12-02, when issue #29 measured "today"
@@ -62,10 +63,28 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 # -- one measurement: runs in a child process, with one tree first on its import path ------------------------
 
+def decode_steps(llm: Any, prompts: list[list[int]], tokens: int) -> list[float]:
+    """Run `prompts` greedy for `tokens` new tokens each on `llm` (an `engine.LLMEngine`, of this tree or an
+    older one: only what both have, `add_request`, `step` and its chunks); the seconds of each step in which
+    every one of them decoded one token."""
+    from engine import SamplingParams
+
+    for p in prompts:
+        llm.add_request(p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    steps = []
+    while llm.has_unfinished_requests():
+        t0 = time.perf_counter()
+        out, _ = llm.step()
+        dt = time.perf_counter() - t0
+        if len(out.chunks) == len(prompts) and all(c.num_tokens == 1 for c in out.chunks):
+            steps.append(dt)
+    return steps
+
+
 def measure(model: str, cases: list[tuple[int, int]], threads: int, seed: int) -> dict:
     """Median ms per all-decoding step for each case, with whichever `engine` the import path finds."""
     import engine
-    from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+    from engine import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
 
     blocks = max(b * -(-(n + STEPS + 1) // BLOCK_SIZE) for b, n in cases) + 64
     llm = LLMEngine(EngineConfig(
@@ -74,27 +93,12 @@ def measure(model: str, cases: list[tuple[int, int]], threads: int, seed: int) -
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)))
     rng = random.Random(seed)
 
-    # NOTE: engine_bench's engine_decode_step, again: this process may import nothing of this repository but
-    # the engine under test, and only what both engines have (LLMEngine, add_request, step's chunks)
-    def run(prompts: list[list[int]], tokens: int) -> list[float]:
-        for p in prompts:
-            llm.add_request(p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-        steps = []
-        while llm.has_unfinished_requests():
-            t0 = time.perf_counter()
-            out, _ = llm.step()
-            dt = time.perf_counter() - t0
-            if len(out.chunks) == len(prompts) and all(c.num_tokens == 1 for c in out.chunks):
-                steps.append(dt)
-        return steps
-
-    run([[rng.randrange(FIRST_PROMPT_ID, VOCAB) for _ in range(32)]], 4)  # warm-up
+    decode_steps(llm, [[rng.randrange(FIRST_PROMPT_ID, VOCAB) for _ in range(32)]], 4)  # warm-up
     results = {}
     for batch, n in cases:
         prompts = [[rng.randrange(FIRST_PROMPT_ID, VOCAB) for _ in range(n)] for _ in range(batch)]
-        run(prompts, 1)  # into the prefix cache: every sequence then decodes from the first step
-        steps = run(prompts, STEPS)
-        results[f"b{batch}_ctx{n}"] = statistics.median(steps) * 1e3
+        decode_steps(llm, prompts, 1)  # into the prefix cache: every sequence then decodes from the first step
+        results[f"b{batch}_ctx{n}"] = statistics.median(decode_steps(llm, prompts, STEPS)) * 1e3
     # every module of this repository's packages the engine pulled in, with where it came from: an editable
     # install's finder maps packages the old tree lacks onto the working tree, which would mix the two
     ours = {m.__name__: m.__file__ for m in list(sys.modules.values())
