@@ -97,7 +97,7 @@ def measure(model: str, cases: list[tuple[int, int]], threads: int, seed: int) -
     results = {}
     for batch, n in cases:
         prompts = [[rng.randrange(FIRST_PROMPT_ID, VOCAB) for _ in range(n)] for _ in range(batch)]
-        decode_steps(llm, prompts, 1)  # into the prefix cache: every sequence then decodes from the first step
+        decode_steps(llm, prompts, 1)  # into the prefix cache: all then decode from the first step
         results[f"b{batch}_ctx{n}"] = statistics.median(decode_steps(llm, prompts, STEPS)) * 1e3
     # every module of this repository's packages the engine pulled in, with where it came from: an editable
     # install's finder maps packages the old tree lacks onto the working tree, which would mix the two
