@@ -702,8 +702,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         names = [d for d in args.context_kv_cache_dtype.split(",") if d]
         if bad := [d for d in names if d not in NARROW]:
             parser.error(f"--context-kv-cache-dtype: {bad} not of {', '.join(NARROW)}")
-        once = {FP8_KV_DTYPES.get(d, d): d for d in reversed(names)}  # one engine a dtype (fp8 is fp8_e4m3)
-        cfg = dataclasses.replace(cfg, context_kv_cache_dtypes=tuple(reversed(once.values())))
+        once: dict[str, str] = {}  # one engine a dtype (fp8 is fp8_e4m3), in the order first named
+        for d in names:
+            once.setdefault(FP8_KV_DTYPES.get(d, d), d)
+        cfg = dataclasses.replace(cfg, context_kv_cache_dtypes=tuple(once.values()))
     result = run(cfg, sections)
     progress("done")
     print(json.dumps(result, indent=2) if args.json else table(result))

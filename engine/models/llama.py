@@ -34,10 +34,11 @@ class Matmul:
     inductor uses for frozen linears. Against `x @ w` over an [in, out] copy (MKL sgemm), 2 threads:
     lm_head 2.6 vs 4.2 ms at batch 1 (MKL's GEMV ran as fast on 1 thread as on 2), 2.9 vs 10.6 ms at
     batch 8; gate_up at 512 tokens 4.0 vs 9.6 ms. End to end: decode 1.8x faster at batch 1, 2.5x at
-    batch 8, prefill 1.5-2x. A bfloat16 weight (`--dtype bfloat16`), where oneDNN has bfloat16 kernels
-    (AMX or AVX-512 BF16), packs too: its outputs equal F.linear's (bit for bit here), and decode steps ran
-    1.15-1.25x faster than with F.linear (2026-12-07, SmolLM2, 2 threads). Other devices and dtypes:
-    F.linear.
+    batch 8, prefill 1.5-2x. A bfloat16 weight (`--dtype bfloat16`) packs too where oneDNN reports bfloat16
+    support (this machine: AMX and AVX-512 BF16; other CPUs unmeasured): the plain product equals F.linear's
+    bit for bit here, a fused post-op rounds once where F.linear and the op round twice (an ulp), and
+    decode steps ran 1.17-1.24x faster than with F.linear, prefill 0.96x (2026-12-07, SmolLM2, 2 threads).
+    Other devices and dtypes: F.linear.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -84,7 +85,8 @@ def _can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
-    return weight.dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # (a private op: may go)
+    return weight.dtype == torch.float32 or (bf16 is not None and bool(bf16()))
 
 
 @dataclass
