@@ -76,14 +76,14 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from benchmarks.engine_then_now import decode_steps
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from engine.config import FP8_KV_DTYPES, SpeculativeConfig, cdiv
+from engine.config import FP8_KV_DTYPES, KV_CACHE_DTYPES, SpeculativeConfig, cdiv
 from engine.hub import ensure_smollm2
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 
 MODEL = "smollm2-135m"
 PAD_ID = 0
-NARROW = ("bfloat16", "float16", *FP8_KV_DTYPES)  # the context section's other caches
+NARROW = tuple(d for d in KV_CACHE_DTYPES if d != "float32")  # the context section's other caches
 FIRST_PROMPT_ID = 100  # random prompt tokens stay clear of SmolLM2's special tokens (ids 0-16)
 BLOCK_SIZE = 16
 COPY_BYTES = 512 * 2**20

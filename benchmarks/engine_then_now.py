@@ -83,7 +83,6 @@ def decode_steps(llm: Any, prompts: list[list[int]], tokens: int) -> list[float]
 
 def measure(model: str, cases: list[tuple[int, int]], threads: int, seed: int) -> dict:
     """Median ms per all-decoding step for each case, with whichever `engine` the import path finds."""
-    import engine
     from engine import CacheConfig, EngineConfig, LLMEngine, SchedulerConfig
 
     blocks = max(b * -(-(n + STEPS + 1) // BLOCK_SIZE) for b, n in cases) + 64
@@ -103,7 +102,7 @@ def measure(model: str, cases: list[tuple[int, int]], threads: int, seed: int) -
     # install's finder maps packages the old tree lacks onto the working tree, which would mix the two
     ours = {m.__name__: m.__file__ for m in list(sys.modules.values())
             if m.__name__.split(".")[0] in PACKAGES and getattr(m, "__file__", None)}
-    return {"engine": str(Path(engine.__file__).parent), "modules": ours, "step_ms": results}
+    return {"modules": ours, "step_ms": results}
 
 
 def child_main() -> None:

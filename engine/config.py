@@ -326,9 +326,8 @@ class EngineConfig:
         if self.cache.dtype is not None and self.backend == "vllm":
             raise ValueError("CacheConfig.dtype (--kv-cache-dtype) is the built-in engine's; a vLLM engine keeps "
                              "its KV in the model's dtype (use --dtype)")
-        if self.cache.dtype in FP8_KV_DTYPES and self.device not in (None, "cpu"):
-            raise ValueError(f"CacheConfig.dtype {self.cache.dtype!r} (--kv-cache-dtype): an 8-bit cache is "
-                             f"checked on the CPU only, not on {self.device}; use bfloat16 there")
+        if self.device is not None:  # (an engine picking its own device checks again, `LLMEngine`)
+            refuse_fp8_off_cpu(self.cache.dtype, self.device)
         if (self.cache.dtype not in (None, self.dtype, *FP8_KV_DTYPES)
                 and self.dtype not in (None, "float32")):
             raise ValueError(f"CacheConfig.dtype {self.cache.dtype!r} under a {self.dtype} model: the KV cache "
@@ -345,6 +344,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 # factors: vLLM's default (k_scale = v_scale = 1) without a calibrated checkpoint.
 FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_CACHE_DTYPES = (*DTYPES, *FP8_KV_DTYPES)
+
+
+def refuse_fp8_off_cpu(cache_dtype: str | None, device: str) -> None:
+    """An 8-bit cache has run on the CPU only; on another device it is refused, naming the field.
+    NOTE: no GPU has run one yet (the gather path's index_select into float8, among others)."""
+    if cache_dtype in FP8_KV_DTYPES and device != "cpu":
+        raise ValueError(f"CacheConfig.dtype {cache_dtype!r} (--kv-cache-dtype): an 8-bit cache is checked "
+                         f"on the CPU only, not on {device}; use bfloat16 there")
 BACKENDS = ("builtin", "vllm")
 # the block size each backend runs by default on this kind of machine (vLLM's CPU attention: 128)
 DEFAULT_BLOCK_SIZE = {"builtin": 16, "vllm": 128}

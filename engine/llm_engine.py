@@ -14,7 +14,14 @@ import torch
 
 from engine.backend import EngineBackend, LayerHook, LayerHookFactory
 from engine.block_allocator import BlockAllocator
-from engine.config import FP8_KV_DTYPES, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import (
+    FP8_KV_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    refuse_fp8_off_cpu,
+)
 from engine.hub import log, resolve_model
 from engine.kv_cache import FP8, KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
@@ -80,10 +87,7 @@ class LLMEngine(EngineBackend):
         torch.manual_seed(config.seed)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        if config.cache.dtype in FP8_KV_DTYPES and self.device.type != "cpu":
-            # NOTE: no GPU has run one yet (the gather path's index_select into float8, among others)
-            raise ValueError(f"CacheConfig.dtype {config.cache.dtype!r} (--kv-cache-dtype): an 8-bit cache "
-                             f"is checked on the CPU only, not on {self.device.type}; use bfloat16 there")
+        refuse_fp8_off_cpu(config.cache.dtype, self.device.type)
         t0 = time.perf_counter()
         path = resolve_model(config.model)
         model_config, state = load_checkpoint(path)

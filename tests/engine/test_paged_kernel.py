@@ -107,7 +107,7 @@ def test_kernel_equals_sdpa_on_random_shapes(heads, kv_heads, head_dim, block_si
 def test_kernel_widens_every_8_bit_float_exactly(cache_dtype, head_dim):
     """Every finite byte of an e4m3 or e5m2 cache (subnormals, zero, the largest) reads as the float32 torch
     makes of it: a sequence of one token attends only to itself, so its output is its value row. (The
-    special bytes, which a saturating write never makes, are the next test's.)"""
+    special bytes are left out: a saturating write, the next test's, never makes them.)"""
     every_byte = torch.arange(256, dtype=torch.uint8).view(cache_dtype).float()
     finite = [b for b in range(256) if every_byte[b].isfinite()]
     rows = cdiv(len(finite), head_dim)
