@@ -88,8 +88,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     kvh, d = k.shape[1], k.shape[2]
     # NOTE: a cache narrower than the model (`CacheConfig.dtype`) takes k/v rounded to its dtype; what is
     # read back is widened again to q's before SDPA (the kernel widens as it reads)
-    index_copy(k_cache.view(-1, kvh, d), 0, meta.slot_mapping, as_cache_dtype(k, k_cache.dtype))
-    index_copy(v_cache.view(-1, kvh, d), 0, meta.slot_mapping, as_cache_dtype(v, v_cache.dtype))
+    k_held, v_held = as_cache_dtype(k, k_cache.dtype), as_cache_dtype(v, v_cache.dtype)
+    index_copy(k_cache.view(-1, kvh, d), 0, meta.slot_mapping, k_held)
+    index_copy(v_cache.view(-1, kvh, d), 0, meta.slot_mapping, v_held)
+    if k_held.dtype != k.dtype:
+        # a chunk from position 0 attends over its new k/v as the cache holds them, as every later read
+        # does: otherwise a prompt's logits would depend on how it was chunked, and a stream recomputed
+        # after a migration would leave the tokens it had (widening a chunk's k/v costs little)
+        k, v = k_held.to(k.dtype), v_held.to(v.dtype)
 
     if len(meta.seqs) == 1 and not meta.decode_groups and meta.kernel is None:
         return _attend_seq(q, k, v, k_cache, v_cache, meta.seqs[0], meta.workspace, scale)

@@ -39,9 +39,11 @@ class Reference:
     margins: list[float]  # top-1 minus top-2 logit at each generated position
 
 
-def references(prompt_ids: list[list[int]], max_tokens: list[int]) -> list[Reference]:
+def references(prompt_ids: list[list[int]], max_tokens: list[int], kv_cache_dtype: str | None = None
+               ) -> list[Reference]:
     """Greedy outputs of the engine alone (no serving, no failures), with each step's top-2 margin."""
-    engine = make_engine("smollm2-135m", num_blocks=1024, max_num_batched_tokens=2048)
+    engine = make_engine("smollm2-135m", num_blocks=1024, max_num_batched_tokens=2048,
+                         kv_cache_dtype=kv_cache_dtype)
     for i, (p, n) in enumerate(zip(prompt_ids, max_tokens)):
         engine.scheduler.add(_request(engine, str(i), p, n))
     logits = run_capturing_logits(engine)

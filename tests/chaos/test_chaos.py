@@ -5,8 +5,8 @@ holding no block, and every pool is back at its target size.
 
 The default suite runs a short version of the 2P+2D scenario (8 clients for 20 s: two SIGKILLs and a
 SIGSTOP past the liveness timeout); `pytest -m soak tests/chaos` runs the longer ones: the same load for 30 s
-(three SIGKILLs and the SIGSTOP) and the issue's full scenario (24 concurrent clients, 64–256 output tokens,
-60 s, a SIGKILL every 5–10 s).
+(three SIGKILLs and the SIGSTOP), the short one over an 8-bit float KV cache, and the issue's full scenario
+(24 concurrent clients, 64–256 output tokens, 60 s, a SIGKILL every 5–10 s).
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ def _assert_clean(outcome: Outcome, reports: dict, events: list[str]) -> None:
 
 
 def _run_chaos(concurrency: int, duration_s: float, max_tokens: tuple[int, int], kill_every_s, stop_at_s,
-               n_prompts: int) -> None:
+               n_prompts: int, kv_cache_dtype: str | None = None) -> None:
     ids = prompts(n_prompts)
     lo, hi = max_tokens
     limits = [lo + (hi - lo) * i // max(1, n_prompts - 1) for i in range(n_prompts)]
-    refs = references(ids, limits)
-    with _serve(prefill_workers=2, decode_workers=2) as server:
+    refs = references(ids, limits, kv_cache_dtype)
+    with _serve(prefill_workers=2, decode_workers=2, kv_cache_dtype=kv_cache_dtype) as server:
         driver = ChaosDriver(server, duration_s, kill_every_s, stop_s=WORKER_TIMEOUT + 3, stop_at_s=stop_at_s)
         driver.start()
         outcome = closed_loop(server, ids, limits, refs, concurrency, duration_s)
@@ -85,6 +85,15 @@ def test_2p2d_survives_sigkill_and_sigstop_under_a_closed_loop(ray_cluster):
 def test_2p2d_30s_under_a_closed_loop(ray_cluster):
     _run_chaos(concurrency=8, duration_s=30, max_tokens=(24, 64), kill_every_s=(6, 9), stop_at_s=14,
                n_prompts=8)
+
+
+@pytest.mark.soak
+def test_2p2d_over_an_8_bit_kv_cache_under_a_closed_loop(ray_cluster):
+    """The short scenario over `--kv-cache-dtype fp8`: KV moves, migrations by recompute and by KV move keep
+    the undisturbed tokens of an fp8 engine (a recomputed stream attends over its K and V as the cache
+    holds them, so it goes on exactly where it was)."""
+    _run_chaos(concurrency=8, duration_s=20, max_tokens=(24, 64), kill_every_s=(6, 9), stop_at_s=10,
+               n_prompts=8, kv_cache_dtype="fp8")
 
 
 @pytest.mark.soak
