@@ -328,10 +328,7 @@ class EngineConfig:
                              "its KV in the model's dtype (use --dtype)")
         if self.device is not None:  # (an engine picking its own device checks again, `LLMEngine`)
             refuse_fp8_off_cpu(self.cache.dtype, self.device)
-        if (self.cache.dtype not in (None, self.dtype, *FP8_KV_DTYPES)
-                and self.dtype not in (None, "float32")):
-            raise ValueError(f"CacheConfig.dtype {self.cache.dtype!r} under a {self.dtype} model: the KV cache "
-                             "may be narrower than a float32 model only, or match the model's dtype")
+        refuse_narrow_cache_under_narrow_model(self.cache.dtype, self.dtype)  # (and `LLMEngine`, once resolved)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -352,6 +349,16 @@ def refuse_fp8_off_cpu(cache_dtype: str | None, device: str) -> None:
     if cache_dtype in FP8_KV_DTYPES and device != "cpu":
         raise ValueError(f"CacheConfig.dtype {cache_dtype!r} (--kv-cache-dtype): an 8-bit cache is checked "
                          f"on the CPU only, not on {device}; use bfloat16 there")
+
+
+def refuse_narrow_cache_under_narrow_model(cache_dtype: str | None, model_dtype: str | None) -> None:
+    """A bfloat16 or float16 cache sits under a float32 model only (an 8-bit one under any); `model_dtype`
+    None: not resolved yet, nothing to check."""
+    if cache_dtype not in (None, model_dtype, *FP8_KV_DTYPES) and model_dtype not in (None, "float32"):
+        raise ValueError(f"CacheConfig.dtype {cache_dtype!r} under a {model_dtype} model: the KV cache may be "
+                         "narrower than a float32 model only, or match the model's dtype")
+
+
 BACKENDS = ("builtin", "vllm")
 # the block size each backend runs by default on this kind of machine (vLLM's CPU attention: 128)
 DEFAULT_BLOCK_SIZE = {"builtin": 16, "vllm": 128}

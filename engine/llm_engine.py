@@ -21,9 +21,10 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
     refuse_fp8_off_cpu,
+    refuse_narrow_cache_under_narrow_model,
 )
 from engine.hub import log, resolve_model
-from engine.kv_cache import FP8, KVCache, KVCacheSpec
+from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
@@ -104,9 +105,7 @@ class LLMEngine(EngineBackend):
 
         self.kv_dtype = self.dtype if config.cache.dtype is None else pick_dtype(
             FP8_KV_DTYPES.get(config.cache.dtype, config.cache.dtype), self.device)
-        if self.kv_dtype not in (self.dtype, *FP8) and self.dtype != torch.float32:
-            raise ValueError(f"CacheConfig.dtype {config.cache.dtype!r} under a {self.dtype} model: the KV cache "
-                             "may be narrower than a float32 model only, or match the model's dtype")
+        refuse_narrow_cache_under_narrow_model(config.cache.dtype, str(self.dtype).removeprefix("torch."))
         self.cache_spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads,
                                       model_config.head_dim, config.cache.block_size, self.kv_dtype)
         num_blocks = self._num_blocks(config.cache)

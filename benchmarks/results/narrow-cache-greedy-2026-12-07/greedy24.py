@@ -1,6 +1,10 @@
-"""SmolLM2 greedy over narrow caches against transformers float32: how many of 24 tokens agree."""
+"""SmolLM2 greedy over narrow caches against transformers float32: how many of 24 tokens agree.
+
+    python benchmarks/results/narrow-cache-greedy-2026-12-07/greedy24.py  # output: greedy24.txt
+"""
 import torch
 from transformers import AutoModelForCausalLM
+
 from engine import LLM
 from engine.hub import smollm2_gguf_path
 from engine.sampling_params import SamplingParams
