@@ -54,6 +54,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-threads", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="each worker's KV cache in bytes, instead of --num-blocks (as many blocks as fit: a "
+                        "narrower --kv-cache-dtype holds more tokens)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-queue", type=int, default=256,
@@ -220,6 +223,7 @@ def serve_config(args: argparse.Namespace):
         ray_address=args.ray_address, prefill_resources=args.prefill_resources,
         decode_resources=args.decode_resources, kv_transport=args.kv_transport, routing=args.routing,
         worker_threads=args.worker_threads, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue, admission_timeout_s=args.admission_timeout,
         max_queued_prefill_tokens=args.max_queued_prefill_tokens, migration_limit=args.migration_limit,

@@ -63,6 +63,7 @@ class ServeConfig:
     worker_threads: int | None = None  # torch threads per worker; None -> this machine's cores / workers
     max_model_len: int | None = None
     num_blocks: int | None = None  # KV blocks per worker; None -> a share of free memory
+    kv_cache_memory_bytes: int | None = None  # or each worker's KV cache in bytes (vLLM's flag of that name)
     block_size: int | None = None  # tokens per KV block; None -> the engine's default (`kv_block_size`)
     # what runs the model in every pool ("builtin" or "vllm"), or per pool (None: `engine`)
     engine: str = "builtin"
@@ -134,6 +135,11 @@ class ServeConfig:
         if self.kv_cache_dtype is not None and "vllm" in self.engines():
             raise ValueError("--kv-cache-dtype is the built-in engine's; a vLLM engine keeps its KV in the model's "
                              "dtype (use --dtype)")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"--kv-cache-memory-bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.kv_cache_memory_bytes is not None and self.num_blocks is not None:
+            raise ValueError("--num-blocks and --kv-cache-memory-bytes both size each worker's KV cache: "
+                             "pass one")
         for name in ("prefill_workers", "decode_workers", "colocated_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -147,6 +153,10 @@ class ServeConfig:
                 raise ValueError("--autoscale sizes the prefill and decode pools; it cannot size colocated workers")
             if self.metrics_port is None:
                 raise ValueError("--autoscale reads the router's own metrics: it needs --metrics-port (not off)")
+            if self.kv_cache_memory_bytes is not None:
+                # NOTE: the simulation counts decode room in blocks (`control.autoscale.as_deployed`)
+                raise ValueError("--autoscale counts each worker's KV room in blocks: size the cache with "
+                                 "--num-blocks, not --kv-cache-memory-bytes")
             if self.autoscale.as_profiled:
                 from planner.sizing import check_as_profiled
 
@@ -241,7 +251,9 @@ class ServeConfig:
                 if decodes else SpeculativeConfig())
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             max_model_len=self.max_model_len, num_threads=threads,
-                            cache=CacheConfig(self.kv_block_size, self.num_blocks, dtype=self.kv_cache_dtype),
+                            cache=CacheConfig(block_size=self.kv_block_size, num_blocks=self.num_blocks,
+                                              memory_bytes=self.kv_cache_memory_bytes,
+                                              dtype=self.kv_cache_dtype),
                             scheduler=SchedulerConfig(self.max_num_seqs, budget, prefill_order=self.prefill_order,
                                                       prefill_chunk_tokens=self.prefill_chunk_tokens
                                                       if chunk is None else chunk,

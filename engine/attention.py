@@ -91,7 +91,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_held, v_held = as_cache_dtype(k, k_cache.dtype), as_cache_dtype(v, v_cache.dtype)
     index_copy(k_cache.view(-1, kvh, d), 0, meta.slot_mapping, k_held)
     index_copy(v_cache.view(-1, kvh, d), 0, meta.slot_mapping, v_held)
-    if k_held.dtype != k.dtype:
+    if k_held.dtype != k.dtype and any(s.fresh for s in meta.seqs):
         # a chunk from position 0 attends over its new k/v as the cache holds them, as every later read
         # does: otherwise a prompt's logits would depend on how it was chunked, and a stream recomputed
         # after a migration would leave the tokens it had (widening a chunk's k/v costs little)

@@ -184,10 +184,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How big the paged KV cache is. `num_blocks` wins over `memory_fraction` when both are set."""
+    """How big the paged KV cache is: `num_blocks`, or `memory_bytes`, or else a `memory_fraction` of the
+    device's free memory."""
 
     block_size: int = 16  # tokens per block; also the granularity of prefix caching
     num_blocks: int | None = None
+    # the cache's bytes (vLLM's --kv-cache-memory-bytes): as many blocks as fit, so a narrower `dtype` holds
+    # more tokens in the same memory
+    memory_bytes: int | None = None
     # fraction of the device's free memory (after weights) given to the cache; None -> device default
     memory_fraction: float | None = None
     # the share of its GPU this engine was granted (Ray's fractional `{"GPU": 0.5}`): engines sharing a GPU each
@@ -208,10 +212,26 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"CacheConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"CacheConfig.memory_bytes must be >= 1, got {self.memory_bytes}")
+        if self.memory_bytes is not None and self.num_blocks is not None:
+            raise ValueError("CacheConfig.num_blocks and memory_bytes (--num-blocks, "
+                             "--kv-cache-memory-bytes) both size the cache: set one")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"CacheConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not 0.0 < self.device_share <= 1.0:
             raise ValueError(f"CacheConfig.device_share must be in (0, 1], got {self.device_share}")
+
+    def fixed_blocks(self, bytes_per_block: int) -> int | None:
+        """The blocks `num_blocks` or `memory_bytes` asks for, with blocks of `bytes_per_block`; None: sized
+        from the device's free memory."""
+        if self.memory_bytes is None:
+            return self.num_blocks
+        n = self.memory_bytes // bytes_per_block
+        if n < 1:
+            raise ValueError(f"CacheConfig.memory_bytes (--kv-cache-memory-bytes) {self.memory_bytes} holds "
+                             f"no KV block of {bytes_per_block} bytes; give it at least that")
+        return n
 
 
 @dataclass(frozen=True)
@@ -328,7 +348,8 @@ class EngineConfig:
                              "its KV in the model's dtype (use --dtype)")
         if self.device is not None:  # (an engine picking its own device checks again, `LLMEngine`)
             refuse_fp8_off_cpu(self.cache.dtype, self.device)
-        refuse_narrow_cache_under_narrow_model(self.cache.dtype, self.dtype)  # (and `LLMEngine`, once resolved)
+        # (and `LLMEngine`, once the model's dtype is resolved)
+        refuse_narrow_cache_under_narrow_model(self.cache.dtype, self.dtype)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -355,8 +376,8 @@ def refuse_narrow_cache_under_narrow_model(cache_dtype: str | None, model_dtype:
     """A bfloat16 or float16 cache sits under a float32 model only (an 8-bit one under any); `model_dtype`
     None: not resolved yet, nothing to check."""
     if cache_dtype not in (None, model_dtype, *FP8_KV_DTYPES) and model_dtype not in (None, "float32"):
-        raise ValueError(f"CacheConfig.dtype {cache_dtype!r} under a {model_dtype} model: the KV cache may be "
-                         "narrower than a float32 model only, or match the model's dtype")
+        raise ValueError(f"CacheConfig.dtype {cache_dtype!r} under a {model_dtype} model: the KV cache may "
+                         "be narrower than a float32 model only, or match the model's dtype")
 
 
 BACKENDS = ("builtin", "vllm")

@@ -120,8 +120,9 @@ class LLMEngine(EngineBackend):
             f"({self.kv_dtype}) in {time.perf_counter() - t0:.1f}s")
 
     def _num_blocks(self, cache: CacheConfig) -> int:
-        if cache.num_blocks is not None:
-            return cache.num_blocks
+        fixed = cache.fixed_blocks(self.cache_spec.bytes_per_block)
+        if fixed is not None:
+            return fixed
         fraction = cache.memory_fraction or DEFAULT_MEMORY_FRACTION.get(self.device.type, 0.05)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -154,7 +155,7 @@ class LLMEngine(EngineBackend):
         capacity = self.allocator.num_blocks * self.cache_spec.block_size
         if n >= capacity:
             raise ValueError(f"prompt has {n} tokens, more than the KV cache holds ({capacity} tokens); "
-                             "raise CacheConfig.num_blocks or memory_fraction")
+                             "raise CacheConfig.num_blocks, memory_bytes or memory_fraction")
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         ids = self.tokenize(prompt)
@@ -292,12 +293,15 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, device: str | None = None, dtype: str | None = None,
                  max_model_len: int | None = None, num_threads: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, memory_fraction: float | None = None,
-                 kv_cache_dtype: str | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 kv_cache_dtype: str | None = None, kv_cache_memory_bytes: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, seed: int = 0,
                  speculative: SpeculativeConfig | None = None) -> None:
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory_bytes,
+                            memory_fraction=memory_fraction, dtype=kv_cache_dtype)
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, num_threads=num_threads,
-            seed=seed, cache=CacheConfig(block_size, num_blocks, memory_fraction, dtype=kv_cache_dtype),
+            seed=seed, cache=cache,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_prefix_caching),
             speculative=speculative or SpeculativeConfig(),
         ))

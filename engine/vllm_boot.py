@@ -43,10 +43,11 @@ def start_vllm(config: EngineConfig, path: Path) -> Any:
         torch.set_num_threads(config.num_threads)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     block_size = config.cache.block_size
+    num_blocks = config.cache.num_blocks
     if device == "cpu":
         spec_bytes = _kv_bytes_per_block(path, block_size, config.dtype or "float32")
-        gib = DEFAULT_KV_GIB if config.cache.num_blocks is None else math.ceil(
-            (config.cache.num_blocks + 1) * spec_bytes / 2**30)
+        num_blocks = config.cache.fixed_blocks(spec_bytes)
+        gib = DEFAULT_KV_GIB if num_blocks is None else math.ceil((num_blocks + 1) * spec_bytes / 2**30)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, gib))
     t0 = time.perf_counter()
     vllm = import_vllm()
@@ -60,7 +61,9 @@ def start_vllm(config: EngineConfig, path: Path) -> Any:
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens, block_size),
         enable_prefix_caching=config.scheduler.enable_prefix_caching,
-        num_gpu_blocks_override=None if config.cache.num_blocks is None else config.cache.num_blocks + 1,
+        num_gpu_blocks_override=None if num_blocks is None else num_blocks + 1,
+        # on a GPU vLLM sizes its cache from the bytes itself (on the CPU they became `num_blocks` above)
+        kv_cache_memory_bytes=config.cache.memory_bytes if device != "cpu" else None,
         # a GPU's share for this engine (several workers sharing one GPU each take a part)
         gpu_memory_utilization=(config.cache.memory_fraction or 0.9) * config.cache.device_share,
         # NOTE: eager mode boots in ~10 s here; vLLM's torch.compile takes ~130 s on this CPU

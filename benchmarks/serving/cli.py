@@ -81,6 +81,9 @@ def build_parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     srv.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-random, an HF dir or a .gguf")
     srv.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
     srv.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    srv.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                     help="each worker's KV cache in bytes, instead of --num-blocks (with :kv-DTYPE layouts: "
+                          "the same memory, the blocks its dtype fits)")
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--max-num-seqs", type=int, default=64)
     srv.add_argument("--max-num-batched-tokens", type=int, default=512, help="decode/colocated step budget")
@@ -134,7 +137,8 @@ def run_all(args: argparse.Namespace, layouts: list[Layout], plan: Plan) -> list
     if args.server:
         return asyncio.run(_bench([(None, args.server)], plan, client_security(args)))
     options = dict(model=args.model, port=0, metrics_port=None, worker_threads=args.worker_threads,
-                   num_blocks=args.num_blocks, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_transport=args.kv_transport)
     configs = [layout.serve_config(**options) for layout in layouts]  # bad options fail before Ray starts
     start_ray(layouts)

@@ -40,3 +40,21 @@ def test_a_layout_may_set_the_workers_prompt_tokens_per_step():
     assert Layout.parse("2p1d:local:fair:dchunk0").serve_config(model="tiny-random").decode_prefill_chunk_tokens == 0
     chunked = Layout.parse("2p1d:chunk256")
     assert (chunked.label, chunked.serve_config(model="tiny-random").prefill_chunk_tokens) == ("2p1d:chunk256", 256)
+
+
+def test_a_layout_may_name_its_kv_cache_dtype_beside_one_memory_size_for_all():
+    """`1c:kv-fp8` beside `1c` under one `--kv-cache-memory-bytes`: each worker's config takes the layout's
+    dtype and the bytes (the blocks those hold: `tests/engine/test_api.py`); vLLM layouts keep their own."""
+    fp8 = Layout.parse("1c:kv-fp8")
+    assert (fp8.label, Layout.parse(fp8.label)) == ("1c:kv-fp8", fp8)
+    assert "a fp8 KV cache" in fp8.description
+    memory = 1 << 20
+    configs = {spec: Layout.parse(spec).serve_config(model="tiny-random", kv_cache_memory_bytes=memory)
+               for spec in ("1c", "1c:kv-fp8", "2p1d:kv-bfloat16")}
+    caches = {spec: c.engine_config(512).cache for spec, c in configs.items()}
+    assert {spec: (c.dtype, c.memory_bytes) for spec, c in caches.items()} == {
+        "1c": (None, memory), "1c:kv-fp8": ("fp8", memory), "2p1d:kv-bfloat16": ("bfloat16", memory)}
+    with pytest.raises(ValueError, match=":kv-DTYPE"):
+        Layout.parse("1c:kv-int4")
+    with pytest.raises(ValueError, match=":kv-fp8 is the built-in engine's KV cache dtype"):
+        Layout.parse("1p1d:kv-fp8:vllm")

@@ -50,3 +50,11 @@ def test_the_engines_a_deployment_runs_are_those_of_its_pools():
     assert ServeConfig(model="m").engines() == {"builtin"}
     assert ServeConfig(model="m", engine="vllm", prefill_workers=0, decode_workers=0,
                        colocated_workers=1).engines() == {"vllm"}
+
+
+def test_the_kv_cache_is_sized_by_blocks_or_by_bytes_not_both():
+    assert config("--kv-cache-memory-bytes", "1048576").engine_config(512).cache.memory_bytes == 1 << 20
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes must be >= 1, got 0"):
+        config("--kv-cache-memory-bytes", "0")
+    with pytest.raises(ValueError, match="--num-blocks and --kv-cache-memory-bytes both size each worker's"):
+        config("--kv-cache-memory-bytes", "1048576", "--num-blocks", "64")

@@ -11,11 +11,13 @@ from engine.checkpoint import byte_tokenizer, random_state_dict, write_checkpoin
 def make_engine(model: str = "tiny-random", *, num_blocks: int | None = 256, block_size: int = 16,
                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                 prefix_caching: bool = True, prefill_order: str = "fifo", device: str = "cpu",
-                dtype: str = "float32", kv_cache_dtype: str | None = None, **scheduler) -> LLMEngine:
+                dtype: str = "float32", kv_cache_dtype: str | None = None, memory_bytes: int | None = None,
+                **scheduler) -> LLMEngine:
     """An engine on `model`; `scheduler`: more `SchedulerConfig` fields."""
     return LLMEngine(EngineConfig(
         model=model, device=device, dtype=dtype,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=kv_cache_dtype),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=memory_bytes,
+                          dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefix_caching,
                                   prefill_order=prefill_order, **scheduler),
     ))

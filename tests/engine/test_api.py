@@ -6,6 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from tests.engine.helpers import make_engine
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,10 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     (lambda: CacheConfig(block_size=0), "block_size"),
     (lambda: CacheConfig(memory_fraction=1.5), "memory_fraction"),
     (lambda: CacheConfig(device_share=0), "device_share"),
+    (lambda: CacheConfig(memory_bytes=0), "memory_bytes must be >= 1"),
+    (lambda: CacheConfig(num_blocks=8, memory_bytes=1 << 20), "num_blocks and memory_bytes .* set one"),
+    (lambda: make_engine(num_blocks=None, memory_bytes=1000),
+     r"memory_bytes \(--kv-cache-memory-bytes\) 1000 holds no KV block of \d+ bytes"),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (lambda: EngineConfig(model="tiny-random", dtype="float8"), "dtype"),
     (lambda: CacheConfig(dtype="float8"),
@@ -47,6 +52,22 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 def test_bad_configs_name_the_field(build, field):
     with pytest.raises(ValueError, match=field):
         build()
+
+
+@pytest.mark.parametrize("kv_cache_dtype, shrink", [(None, 1), ("bfloat16", 2), ("fp8", 4), ("fp8_e5m2", 4)])
+def test_a_cache_sized_in_bytes_holds_as_many_blocks_as_its_dtype_fits(kv_cache_dtype, shrink):
+    full = make_engine(num_blocks=None, memory_bytes=1 << 20)
+    per_block = full.cache_spec.bytes_per_block
+    engine = make_engine(num_blocks=None, memory_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype)
+    assert engine.num_blocks == (1 << 20) // (per_block // shrink) == full.num_blocks * shrink
+    assert engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size() <= 1 << 20
+
+
+def test_llm_takes_the_cache_size_as_a_fraction_or_in_bytes():
+    """Each by keyword into `CacheConfig` (a positional call once put the fraction in the bytes' place)."""
+    by_bytes = LLM("tiny-random", kv_cache_memory_bytes=1 << 20, kv_cache_dtype="fp8").engine
+    assert by_bytes.num_blocks == (1 << 20) // by_bytes.cache_spec.bytes_per_block
+    assert LLM("tiny-random", memory_fraction=0.001).engine.num_blocks > 0
 
 
 def test_unknown_model_name_is_refused():

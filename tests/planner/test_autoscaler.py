@@ -152,6 +152,8 @@ def test_the_watcher_sizes_on_a_trace_shaped_like_the_interval_and_reads_its_slo
      "--autoscale-interval"),
     (["--autoscale", "slo.json", "--autoscale-profile", "p.json", "--autoscale-as-profiled"],
      "--max-pool-size must be at most 6, got 64"),
+    (["--autoscale", "slo.json", "--autoscale-profile", "p.json", "--kv-cache-memory-bytes", "1000000"],
+     "size the cache with --num-blocks, not --kv-cache-memory-bytes"),
 ])
 def test_serve_s_autoscale_flags_are_checked_naming_the_flag(argv, words):
     from control.cli import build_parser, serve_config

@@ -2,7 +2,7 @@
 the prefill terms of its prompt chunks"? Measures, on one engine with one thread (a worker's share, as
 `pdserve plan profile` runs them): the decode step of B rows at context C alone, a prefill step of N fresh
 prompt tokens alone, and the step that does both; several N to fit the prefill line (its intercept is the
-fixed cost the rule leaves out). Median of REPEATS each, in interleaved order.
+fixed cost the rule leaves out, fitted in the profile's own form). Median of REPEATS each, interleaved.
 
     python benchmarks/results/mixed-step-2026-12-07/mixed_step.py
 """
@@ -66,11 +66,13 @@ def main() -> None:
                 samples.setdefault(f"mixed{n}", []).append(timed_step())
                 assert r.is_finished, "the prompt took more than one step"
         med = {k: statistics.median(v) for k, v in samples.items()}
-        # the prefill line's intercept (a step's fixed cost), fitted on the chunks alone
-        xs = list(CHUNKS)
-        ys = [med[f"prefill{n}"] for n in xs]
-        slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
-        fixed = ys[0] - slope * xs[0]
+        # a step's fixed cost: the profile's prefill form (fixed + token_s * n + attention_s * n^2 / 2,
+        # a fresh prompt's attention pairs) through the three chunks alone. (A straight line through them
+        # puts the fixed cost 30-40 ms lower: prefill is convex in n, and the rule would then look dear.)
+        a = torch.tensor([[1.0, n, n * n / 2] for n in CHUNKS], dtype=torch.float64)
+        y = torch.tensor([med[f"prefill{n}"] for n in CHUNKS], dtype=torch.float64)
+        fixed = float(torch.linalg.solve(a, y)[0])
+        print(f"{rows:>4} {ctx:>4}   fixed cost of a step (fitted): {fixed * 1e3:.1f} ms", flush=True)
         for n in CHUNKS:
             rule = med["decode"] + med[f"prefill{n}"] - fixed
             print(f"{rows:>4} {ctx:>4} {n:>5} {med['decode'] * 1e3:>7.1f}  {med[f'prefill{n}'] * 1e3:>7.1f}  "
@@ -80,8 +82,7 @@ def main() -> None:
             engine.abort_request(r.request_id)
         while engine.has_unfinished_requests():
             engine.step()
-    print(f"(torch {torch.__version__}, 1 thread; the prefill line's fixed cost per case from chunks {CHUNKS})",
-          file=sys.stderr)
+    print(f"(torch {torch.__version__}, 1 thread; fixed cost per case from chunks {CHUNKS})", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -29,4 +29,5 @@ for dtype in ("bfloat16", "fp8", "fp8_e5m2"):
                                       min_new_tokens=24)[0, len(ids):].tolist()
         got = o.token_ids
         agree = next((i for i, (a, b) in enumerate(zip(got, want[p])) if a != b), 24)
-        print(f"{dtype:9s} prompt {len(ids):4d} tokens: {agree}/24 greedy tokens equal transformers'", flush=True)
+        print(f"{dtype:9s} prompt {len(ids):4d} tokens: {agree}/24 greedy tokens equal transformers'",
+              flush=True)
