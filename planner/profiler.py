@@ -168,7 +168,7 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
                        "num_gaps": len(gaps), "cached_first": cached_first})
         _log(f"[decode {i + 1}/{len(DECODE_BATCHES)}] batch {b}, {p}-token prompts: step "
              f"{decode[-1]['gap_p50_s'] * 1e3:.1f} ms")
-    interference = await measure_interference(probe)
+    interference = await measure_interference(probe, INTERFERENCE_PROMPT)
     short = await measure_interference(probe, SHORT_INTERFERENCE_PROMPT)
     speeds.append(await asyncio.to_thread(machine_speed))
     probed = [s for s in speeds if s is not None]
@@ -194,7 +194,7 @@ async def measure_interference(probe: Prober, prompt_len: int = INTERFERENCE_PRO
 
     background = asyncio.ensure_future(prefill_load())
     await asyncio.sleep(0.5)  # the first long prompt is computing
-    got = await probe.batch(INTERFERENCE_BATCH, 32, DECODE_OUTPUT)
+    got = await probe.batch([probe.tokens(32) for _ in range(INTERFERENCE_BATCH)], DECODE_OUTPUT)
     stop.set()
     await background
     gaps = [g for s in got for g in s.gaps]
