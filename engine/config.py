@@ -217,6 +217,8 @@ class CacheConfig:
         if self.memory_bytes is not None and self.num_blocks is not None:
             raise ValueError("CacheConfig.num_blocks and memory_bytes (--num-blocks, "
                              "--kv-cache-memory-bytes) both size the cache: set one")
+        if self.memory_bytes is not None and self.memory_fraction is not None:
+            raise ValueError("CacheConfig.memory_bytes and memory_fraction both size the cache: set one")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"CacheConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if not 0.0 < self.device_share <= 1.0:

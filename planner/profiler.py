@@ -181,7 +181,7 @@ async def measure(stub, vocab_size: int) -> tuple[dict, float]:
     return samples, cpu / max(1, tokens)
 
 
-async def measure_interference(probe: Prober, prompt_len: int = INTERFERENCE_PROMPT) -> dict:
+async def measure_interference(probe: Prober, prompt_len: int) -> dict:
     """Decode steps while the prefill worker computes prompts of `prompt_len`, one after another, and those
     prompts' prefill while the decode worker steps: what two workers computing at once cost each other on
     this machine."""
@@ -249,7 +249,8 @@ def fit_profile(samples: dict, engine: EngineSettings, bytes_per_token: int, mod
     # NOTE: the push is layer-wise, within the step that computes a chunk: what is left after the last chunk
     # does not grow with its bytes on a fast link; the rate is then the one the slowest sample allows. (The
     # router's own link rate is bytes over the whole push, overlapped compute included: recorded, not used)
-    link = 1 / s_per_byte if s_per_byte > 0 else max(b for b, _ in last) / max(t for _, t in last)
+    # (every push done within its last chunk's step, as a small model's can be: at most 1 us left)
+    link = 1 / s_per_byte if s_per_byte > 0 else max(b for b, _ in last) / max(1e-6, *(t for _, t in last))
     dec = [d for d in samples["decode"] if decoded_whole(d)]
     drows = [[1.0, d["batch"], d["batch"] * (d["prompt_len"] + DECODE_OUTPUT / 2)] for d in dec]
     d0, d_seq, d_ctx = fit_nonnegative(drows, [d["gap_p50_s"] for d in dec])

@@ -93,7 +93,7 @@ class Layout:
         if not self.late_reservation:
             order += ", decode blocks reserved at placement"
         if self.kv_cache_dtype is not None:
-            order += f", a {self.kv_cache_dtype} KV cache"
+            order += f", KV cache in {self.kv_cache_dtype}"
         if self.engine != "builtin":
             order += f", {self.engine} engines"
         if self.routing == "separate":

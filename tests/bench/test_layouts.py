@@ -47,7 +47,7 @@ def test_a_layout_may_name_its_kv_cache_dtype_beside_one_memory_size_for_all():
     dtype and the bytes (the blocks those hold: `tests/engine/test_api.py`); vLLM layouts keep their own."""
     fp8 = Layout.parse("1c:kv-fp8")
     assert (fp8.label, Layout.parse(fp8.label)) == ("1c:kv-fp8", fp8)
-    assert "a fp8 KV cache" in fp8.description
+    assert "KV cache in fp8" in fp8.description
     memory = 1 << 20
     configs = {spec: Layout.parse(spec).serve_config(model="tiny-random", kv_cache_memory_bytes=memory)
                for spec in ("1c", "1c:kv-fp8", "2p1d:kv-bfloat16")}

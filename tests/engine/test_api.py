@@ -34,6 +34,7 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     (lambda: CacheConfig(device_share=0), "device_share"),
     (lambda: CacheConfig(memory_bytes=0), "memory_bytes must be >= 1"),
     (lambda: CacheConfig(num_blocks=8, memory_bytes=1 << 20), "num_blocks and memory_bytes .* set one"),
+    (lambda: CacheConfig(memory_bytes=1 << 20, memory_fraction=0.5), "memory_bytes and memory_fraction"),
     (lambda: make_engine(num_blocks=None, memory_bytes=1000),
      r"memory_bytes \(--kv-cache-memory-bytes\) 1000 holds no KV block of \d+ bytes"),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),

@@ -29,6 +29,8 @@ for camp in ["2026-12-06-speed", "2026-12-06-probe", "2026-12-06-late", "2026-12
     for factor in (1.0, 1.08):
         W.SimWorker.plan_step = patched(factor)
         rows = [evaluate(prof, c) for c in cs]
-        med = {k: statistics.median(r["errors"][k] for r in rows) for k in ("ttft_p50", "ttft_p90", "itl_p50")}
-        colo = [(r["rate"], {k: round(v, 2) for k, v in r["errors"].items()}) for r in rows if r["layout"] == "2c"]
+        med = {k: statistics.median(r["errors"][k] for r in rows)
+               for k in ("ttft_p50", "ttft_p90", "itl_p50")}
+        colo = [(r["rate"], {k: round(v, 2) for k, v in r["errors"].items()})
+                for r in rows if r["layout"] == "2c"]
         print(camp, factor, {k: f"{v:.0%}" for k, v in med.items()}, "2c:", colo, flush=True)
