@@ -18,8 +18,9 @@ from control.config import ServeConfig, kv_transfer_config
 from control.console import ServeError, log
 from control.doors import bind_grpc, grpc_door, http_server, metrics_endpoint, set_health
 from control.launcher import ray_launcher
+from engine.config import FP8_KV_DTYPES
 from engine.hub import resolve_model
-from engine.model_files import model_limits
+from engine.model_files import load_config, model_limits
 from engine.tokenizer import Tokenizer
 from protocol.kv_config import KVTransferConfig
 from protocol.messages import RouterId
@@ -91,6 +92,11 @@ class Server:
             context, vocab_size = model_limits(path, builtin="builtin" in c.engines())
         except ValueError as e:
             raise ServeError(f"--model {c.model}: {e}") from e
+        if c.kv_cache_memory_bytes is not None and "builtin" in c.engines():
+            least = smallest_kv_block_bytes(path, c)
+            if c.kv_cache_memory_bytes < least:  # here, not in each worker in turn
+                raise ServeError(f"--kv-cache-memory-bytes {c.kv_cache_memory_bytes} holds no KV block of "
+                                 f"{c.model} ({least} bytes at the least); give it at least that")
         tokenizer = Tokenizer(path)
         max_model_len = min(c.max_model_len or context, context)
         limits = Limits(max_model_len=max_model_len, vocab_size=vocab_size)
@@ -340,3 +346,12 @@ class Server:
         for w in workers:
             with contextlib.suppress(Exception):
                 w.client.kill()
+
+
+def smallest_kv_block_bytes(path: Any, c: ServeConfig) -> int:
+    """The fewest bytes a built-in engine's KV block of this deployment can take: in the cache's dtype, else
+    the model's, else bfloat16 (a GPU worker's default, the narrowest one a worker may pick by itself)."""
+    m = load_config(path)
+    name = c.kv_cache_dtype or c.dtype or "bfloat16"
+    size = 1 if name in FP8_KV_DTYPES else 4 if name == "float32" else 2
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * c.kv_block_size * size

@@ -58,3 +58,20 @@ def test_the_kv_cache_is_sized_by_blocks_or_by_bytes_not_both():
         config("--kv-cache-memory-bytes", "0")
     with pytest.raises(ValueError, match="--num-blocks and --kv-cache-memory-bytes both size each worker's"):
         config("--kv-cache-memory-bytes", "1048576", "--num-blocks", "64")
+
+
+def test_a_kv_cache_too_small_for_one_block_stops_serve_before_any_door_or_worker():
+    """`--kv-cache-memory-bytes` under one block of the model's: refused at once, naming the flag and the
+    least it needs, where each worker would otherwise fail to start in turn."""
+    import asyncio
+
+    from control.config import ServeConfig
+    from control.console import ServeError
+    from control.server import Server
+
+    server = Server(ServeConfig(model="tiny-random", kv_cache_memory_bytes=1000, port=0, metrics_port=None,
+                                http_port=None))
+    with pytest.raises(ServeError, match=r"--kv-cache-memory-bytes 1000 holds no KV block of tiny-random "
+                                         r"\(\d+ bytes at the least\)"):
+        asyncio.run(server.start())
+    assert server.grpc is None
