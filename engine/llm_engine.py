@@ -23,11 +23,13 @@ from engine.config import (
     refuse_fp8_off_cpu,
     refuse_narrow_cache_under_narrow_model,
 )
-from engine.hub import log, resolve_model
+from engine.gguf_loader import load_gguf_quantized
+from engine.hub import gguf_source, log, resolve_model
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
+from engine.quant import BlockQuantized
 from engine.request import Request, RequestStatus
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -91,12 +93,18 @@ class LLMEngine(EngineBackend):
         refuse_fp8_off_cpu(config.cache.dtype, self.device.type)
         t0 = time.perf_counter()
         path = resolve_model(config.model)
-        model_config, state = load_checkpoint(path)
+        gguf = gguf_source(config.model, path, config.quantization)
+        quantized: dict[str, BlockQuantized] = {}
+        if gguf is None:
+            model_config, state = load_checkpoint(path)
+        else:
+            model_config, state, quantized = load_gguf_quantized(str(gguf))
         self.model_config = model_config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.model = LlamaForCausalLM(model_config, state, self.dtype, self.device, self.max_model_len)
-        del state
+        self.model = LlamaForCausalLM(model_config, state, self.dtype, self.device, self.max_model_len,
+                                      quantized)
+        del state, quantized
         self.tokenizer = Tokenizer(path)
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -115,7 +123,9 @@ class LLMEngine(EngineBackend):
         self.runner = ModelRunner(self.model, self.kv_cache)
         self._ids = itertools.count()
         self.last_step: StepStats | None = None  # what the latest step that ran anything computed
-        log(f"loaded {config.model} ({model_config.num_params / 1e6:.0f}M params, {self.dtype}, "
+        weights = (f", weights in GGUF blocks ({self.model.weight_bytes / 2**20:.0f} MiB)"
+                   if self.model.quantized else "")
+        log(f"loaded {config.model} ({model_config.num_params / 1e6:.0f}M params, {self.dtype}{weights}, "
             f"{self.device}) with {num_blocks} KV blocks of {config.cache.block_size} tokens "
             f"({self.kv_dtype}) in {time.perf_counter() - t0:.1f}s")
 
@@ -296,14 +306,14 @@ class LLM:
                  kv_cache_dtype: str | None = None, kv_cache_memory_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = True, seed: int = 0,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, quantization: str | None = None) -> None:
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory_bytes,
                             memory_fraction=memory_fraction, dtype=kv_cache_dtype)
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len, num_threads=num_threads,
             seed=seed, cache=cache,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_prefix_caching),
-            speculative=speculative or SpeculativeConfig(),
+            speculative=speculative or SpeculativeConfig(), quantization=quantization,
         ))
 
     @property

@@ -24,7 +24,7 @@ from typing import Any
 _SPEC = re.compile(r"^(?:(?P<p>\d+)p(?P<d>\d+)d|(?P<c>\d+)c)(?::(?P<routing>prefix|round-robin|separate|local))?"
                    r"(?::(?P<order>fair|fifo))?(?::chunk(?P<chunk>\d+))?(?::dchunk(?P<dchunk>\d+))?"
                    r"(?P<early>:early)?(?::kv-(?P<kv>float32|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2))?"
-                   r"(?P<vllm>:vllm)?$")
+                   r"(?::(?P<quant>gguf|dense))?(?P<vllm>:vllm)?$")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class Layout:
     late_reservation: bool = True  # ":early": every prompt's decode blocks are reserved at placement
     engine: str = "builtin"  # ":vllm": every worker runs an in-process vLLM engine
     kv_cache_dtype: str | None = None  # ":kv-fp8" etc.: the workers' KV cache dtype (None: the model's)
+    # ":gguf" / ":dense": the built-in engine keeps a GGUF model's blocks or dequantises them (--quantization
+    # gguf / none; None: the engine's default for the model)
+    quantization: str | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Layout:
@@ -53,16 +56,22 @@ class Layout:
                              ":dchunkN (the prefill and decode workers' prompt tokens per step), then optionally "
                              ":early (decode blocks reserved at placement), then optionally :kv-DTYPE "
                              "(the KV cache's dtype: float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2), "
-                             "then optionally :vllm (vLLM engines), e.g. 2p1d:round-robin, 2p1d:fifo, "
-                             "2p1d:chunk256, 2p1d:local:dchunk0, 2p1d:early, 1c:kv-fp8, 1p1d:vllm")
+                             "then optionally :gguf or :dense (a GGUF model's weights kept in their "
+                             "blocks or dequantised), then optionally :vllm (vLLM engines), e.g. "
+                             "2p1d:round-robin, 2p1d:fifo, 2p1d:chunk256, 2p1d:local:dchunk0, 2p1d:early, "
+                             "1c:kv-fp8, 1c:gguf, 1p1d:vllm")
         routing, order = m["routing"] or "prefix", m["order"] or "fair"
         chunk, dchunk = (int(m[k]) if m[k] is not None else None for k in ("chunk", "dchunk"))
         engine = "vllm" if m["vllm"] else "builtin"
         if m["kv"] and m["vllm"]:
             raise ValueError(f"layout {spec!r}: :kv-{m['kv']} is the built-in engine's KV cache dtype; "
                              "a vLLM engine keeps its KV in the model's dtype (drop :kv- or :vllm)")
+        if m["quant"] and m["vllm"]:
+            raise ValueError(f"layout {spec!r}: :{m['quant']} is the built-in engine's; a vLLM engine "
+                             f"loads the model's HF directory (drop :{m['quant']} or :vllm)")
+        quantization = {"gguf": "gguf", "dense": "none", None: None}[m["quant"]]
         shape = (0, 0, int(m["c"])) if m["c"] is not None else (int(m["p"]), int(m["d"]), 0)
-        return cls(*shape, routing, order, chunk, dchunk, m["early"] is None, engine, m["kv"])
+        return cls(*shape, routing, order, chunk, dchunk, m["early"] is None, engine, m["kv"], quantization)
 
     @property
     def num_workers(self) -> int:
@@ -78,6 +87,8 @@ class Layout:
         label = label if self.decode_prefill_chunk_tokens is None else f"{label}:dchunk{self.decode_prefill_chunk_tokens}"
         label = label if self.late_reservation else f"{label}:early"
         label = label if self.kv_cache_dtype is None else f"{label}:kv-{self.kv_cache_dtype}"
+        if self.quantization is not None:
+            label = f"{label}:{'gguf' if self.quantization == 'gguf' else 'dense'}"
         return label if self.engine == "builtin" else f"{label}:{self.engine}"
 
     @property
@@ -94,6 +105,8 @@ class Layout:
             order += ", decode blocks reserved at placement"
         if self.kv_cache_dtype is not None:
             order += f", KV cache in {self.kv_cache_dtype}"
+        if self.quantization is not None:
+            order += ", weights in GGUF blocks" if self.quantization == "gguf" else ", weights dequantised"
         if self.engine != "builtin":
             order += f", {self.engine} engines"
         if self.routing == "separate":
@@ -108,7 +121,7 @@ class Layout:
         from control.config import ServeConfig
 
         routing = "prefix" if self.routing in ("separate", "local") else self.routing
-        for key in ("prefill_chunk_tokens", "decode_prefill_chunk_tokens", "kv_cache_dtype"):
+        for key in ("prefill_chunk_tokens", "decode_prefill_chunk_tokens", "kv_cache_dtype", "quantization"):
             if getattr(self, key) is not None:
                 options = {**options, key: getattr(self, key)}
         return ServeConfig(prefill_workers=self.prefill_workers, decode_workers=self.decode_workers,

@@ -1,13 +1,15 @@
-"""pdserve's compiled CPU kernels, built on this machine against the torch installed here.
+"""pdserve's compiled CPU kernels, built on this machine against the torch installed here: paged attention
+(`cpu_kernels`) and matmuls over GGUF's quantised blocks (`gguf_kernels`), each its own module.
 
 NOTE: built on first use with torch's own extension builder (g++ and ninja), not at `pip install` time: pip
 builds a package inside an isolated environment, and a `torch` requirement there resolves to whatever torch
 the index offers (a multi-GB CUDA build here), not the one the kernel will be loaded into. Built against the
 running torch, the kernel's ABI always matches. The build takes about a minute on 2 cores, once per
-machine, torch version and source (cached under `$PDSERVE_KERNEL_CACHE`, default
+machine, torch version and source (the GGUF module about 20 s; cached under `$PDSERVE_KERNEL_CACHE`, default
 `~/.cache/pdserve/kernels`). Concurrent builds and loads wait on an OS file lock of ours (`_build_lock`), which
 the kernel drops when its holder dies. Where it cannot be built (no compiler,
-`PDSERVE_KERNELS=0`), or off the CPU, attention takes its torch path and says so once in the log.
+`PDSERVE_KERNELS=0`), or off the CPU, attention takes its torch path and GGUF weights are dequantised at
+load, and the log says so once.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+GGUF_SOURCES = [Path(__file__).with_name("gguf_matmul.cpp")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"]
 
 
@@ -49,9 +52,9 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _name() -> str:
+def _name(prefix: str = "pdserve_kernels", sources: list[Path] = SOURCES) -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in sources:
         h.update(src.read_bytes())
         # NOTE: the path too: torch writes the absolute source path into the build's ninja file, so two
         # checkouts on one machine sharing a build directory rebuild it (~25-60 s) each time they alternate
@@ -59,7 +62,7 @@ def _name() -> str:
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
-    return f"pdserve_kernels_{h.hexdigest()[:12]}"
+    return f"{prefix}_{h.hexdigest()[:12]}"
 
 
 @contextlib.contextmanager
@@ -84,30 +87,41 @@ def _build_lock(build: Path) -> Iterator[None]:
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
-    """The compiled module (with `paged_attention`), or None where it cannot be had (reason logged)."""
+    """The paged-attention module (`paged_attention`), or None where it cannot be had (reason logged)."""
+    return _load("pdserve_kernels", SOURCES, "the paged-attention kernel", "about a minute",
+                 "attention gathers blocks and calls SDPA")
+
+
+@functools.cache
+def gguf_kernels() -> ModuleType | None:
+    """The GGUF module (`q4_1_linear`, `q8_0_linear`, `dequantize`), or None where it cannot be had."""
+    return _load("pdserve_gguf", GGUF_SOURCES, "the GGUF matmul kernel", "about 20 s",
+                 "GGUF weights are dequantised to float32 at load")
+
+
+def _load(prefix: str, sources: list[Path], what: str, takes: str, fallback: str) -> ModuleType | None:
     if os.environ.get("PDSERVE_KERNELS", "1") == "0":
-        log.info("pdserve kernels off (PDSERVE_KERNELS=0): attention gathers blocks and calls SDPA")
+        log.info("pdserve kernels off (PDSERVE_KERNELS=0): %s", fallback)
         return None
     from torch.utils import cpp_extension
 
-    name = _name()
+    name = _name(prefix, sources)
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     fresh = not any(build.glob("*.so"))
     if fresh:
-        print(f"pdserve: building the paged-attention kernel into {build} (once per machine and torch "
-              "version, about a minute)...", file=sys.stderr, flush=True)
+        print(f"pdserve: building {what} into {build} (once per machine and torch version, {takes})...",
+              file=sys.stderr, flush=True)
     t0 = time.monotonic()
     try:
         with _build_lock(build):
-            mod = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+            mod = cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
                                      extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure falls back, with its cause named
-        log.warning("pdserve's paged-attention kernel could not be built (%s: %s); attention gathers blocks "
-                    "and calls SDPA instead. Install g++ and ninja (pip install ninja) to build it, or set "
-                    "PDSERVE_KERNELS=0 to skip the attempt.", type(e).__name__, str(e).splitlines()[-1:])
+        log.warning("pdserve's %s could not be built (%s: %s); %s instead. Install g++ and ninja "
+                    "(pip install ninja) to build it, or set PDSERVE_KERNELS=0 to skip the attempt.", what,
+                    type(e).__name__, str(e).splitlines()[-1:], fallback)
         return None
     if fresh:
-        print(f"pdserve: built the paged-attention kernel in {time.monotonic() - t0:.0f} s", file=sys.stderr,
-              flush=True)
+        print(f"pdserve: built {what} in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return cast(ModuleType, mod)

@@ -11,7 +11,7 @@ call with position tables looked up once per forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
+from engine.kernels import gguf_kernels
 from engine.kv_cache import KVCache
 from engine.models.rope import RotaryEmbedding
+from engine.quant import BlockQuantized, QuantizedMatmul
 
 # called with a layer index right after that layer's KV has been written to the cache
 LayerHook = Callable[[int], None]
@@ -94,11 +96,12 @@ class LayerWeights:
     # NOTE: each RMSNorm's weight (times sqrt(hidden), see `unit_rms`) is folded into the columns of the
     # matrices that read its output: W @ (g * x) == (W * g) @ x. A norm is then 4 small ops, not F.rms_norm's
     # ~10 (it is a composite on CPU), and the weight multiply is gone.
-    qkv: Matmul  # [q_size + 2 * kv_size, hidden], attention norm folded in
-    o: Matmul  # [hidden, q_size]
-    gate: Matmul  # [intermediate, hidden], MLP norm folded in
-    up: Matmul  # [intermediate, hidden], MLP norm folded in
-    down: Matmul  # [hidden, intermediate]
+    # (a GGUF model's quantised matrices are `QuantizedMatmul`s, which apply the norm to x instead)
+    qkv: Matmul | QuantizedMatmul  # [q_size + 2 * kv_size, hidden], attention norm folded in
+    o: Matmul | QuantizedMatmul  # [hidden, q_size]
+    gate: Matmul | QuantizedMatmul  # [intermediate, hidden], MLP norm folded in
+    up: Matmul | QuantizedMatmul  # [intermediate, hidden], MLP norm folded in
+    down: Matmul | QuantizedMatmul  # [hidden, intermediate]
     norm_bytes: int  # the norm weights' bytes (what an unfused model reads; counted for the roofline)
     # [num_heads + num_kv_heads, head_dim]: q_norm's weight for each q head, then k_norm's (Qwen3)
     qk_norm: torch.Tensor | None
@@ -106,28 +109,44 @@ class LayerWeights:
 
 class LlamaForCausalLM:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int) -> None:
+                 device: torch.device, max_positions: int,
+                 quantized: dict[str, BlockQuantized] | None = None) -> None:
+        """`quantized`: matrices kept in GGUF blocks (`engine.gguf_loader.load_gguf_quantized`). They run
+        through the GGUF kernel on a float32 CPU model; elsewhere (another device or dtype, no kernel) they
+        are dequantised here, and the model is the float32 one either way."""
         self.config = config
         self.dtype = dtype
         self.device = device
+        quantized = quantized or {}
+        kernels = gguf_kernels() if quantized and device.type == "cpu" and dtype == torch.float32 else None
+        self.quantized = kernels is not None
+        present = state_dict.keys() | quantized.keys()
+
+        def dense(name: str) -> torch.Tensor:
+            return quantized[name].dequantize() if name in quantized else state_dict[name].float()
 
         def w(name: str) -> torch.Tensor:
             if name not in state_dict:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return state_dict[name].to(device=device, dtype=dtype)
 
-        def t(*names: str, norm: str | None = None, bias: bool = False) -> Matmul:
+        def t(*names: str, norm: str | None = None, bias: bool = False) -> Matmul | QuantizedMatmul:
             """[out, in] matrices, fused along out, with the RMSNorm `norm` (if any) folded into columns, and
             their biases (`bias`: `*.bias` beside each `*.weight`) fused likewise (W (g x) + b: untouched)."""
-            m = torch.cat([state_dict[n].float() for n in _present(state_dict, *names)])
-            if norm is not None:
-                # in float32, then cast once: the folded weight rounds like one product, not two
-                m = m * (state_dict[norm].float() * config.hidden_size ** 0.5)
+            _present(present, *names)
             b = None
             if bias:
-                b = torch.cat([state_dict[n] for n in _present(state_dict, *(n.removesuffix("weight") + "bias"
-                                                                            for n in names))])
+                b = torch.cat([state_dict[n] for n in _present(present, *(n.removesuffix("weight") + "bias"
+                                                                        for n in names))])
                 b = b.to(device=device, dtype=dtype).contiguous()
+            g = None if norm is None else state_dict[norm].float() * config.hidden_size ** 0.5
+            parts = [quantized.get(n) for n in names]
+            if kernels is not None and all(parts) and len({p.kind for p in parts if p}) == 1:
+                return QuantizedMatmul(BlockQuantized.cat([p for p in parts if p]), kernels, b, g)
+            m = torch.cat([dense(n) for n in names])
+            if g is not None:
+                # in float32, then cast once: the folded weight rounds like one product, not two
+                m = m * g
             return Matmul(m.to(device=device, dtype=dtype).contiguous(), b)
 
         def qk_norm(p: str) -> torch.Tensor | None:
@@ -136,8 +155,13 @@ class LlamaForCausalLM:
             q, k = w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight")
             return torch.cat([q.expand(config.num_heads, -1), k.expand(config.num_kv_heads, -1)]).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        tied = config.tie_word_embeddings or "lm_head.weight" not in state_dict
+        embed = "model.embed_tokens.weight"
+        # [vocab, hidden]: a quantised embedding stays in its blocks (with the kernel) and decodes the rows
+        # a step looks up
+        self.embed: torch.Tensor | BlockQuantized = (
+            quantized[embed] if kernels is not None and embed in quantized
+            else dense(_present(present, embed)[0]).to(device=device, dtype=dtype))
+        tied = config.tie_word_embeddings or "lm_head.weight" not in present
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.lm_head = t(head, norm="model.norm.weight")  # [vocab, hidden]
         self.layers = []
@@ -167,7 +191,9 @@ class LlamaForCausalLM:
         for layer in self.layers:
             matrices += [layer.qkv, layer.o, layer.gate, layer.up, layer.down]
             norms += layer.norm_bytes
-        return self.embed.numel() * self.embed.element_size() + norms + sum(m.nbytes for m in matrices)
+        embed = self.embed.nbytes if isinstance(self.embed, BlockQuantized) else self.embed.numel() * \
+            self.embed.element_size()
+        return embed + norms + sum(m.nbytes for m in matrices)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -176,7 +202,10 @@ class LlamaForCausalLM:
         """input_ids, positions: [T] (the flattened batch); returns logits [len(logits_indices), vocab]."""
         c = self.config
         eps = c.rms_norm_eps * c.hidden_size
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        if isinstance(self.embed, BlockQuantized):
+            h = self.embed.rows(input_ids)  # [T, hidden]
+        else:
+            h = F.embedding(input_ids, self.embed)
         T = h.shape[0]
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
@@ -215,8 +244,9 @@ def head_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * f.to(x.dtype)
 
 
-def _present(state_dict: dict[str, torch.Tensor], *names: str) -> tuple[str, ...]:
+def _present(present: Container[str], *names: str) -> tuple[str, ...]:
+    """`names`, each checked to be among `present` (the checkpoint's tensor names)."""
     for n in names:
-        if n not in state_dict:
+        if n not in present:
             raise ValueError(f"checkpoint is missing tensor {n!r}")
     return names

@@ -263,6 +263,32 @@ def test_smollm2_logits_match_hf_prefill_and_every_decode_step(smollm2_llm, smol
     assert_logits_match(smollm2_llm.engine, smollm2_hf, ids, max_tokens=12)
 
 
+@pytest.fixture(scope="module")
+def smollm2_gguf_llm():
+    llm = LLM("smollm2-135m", num_blocks=128, dtype="float32", device="cpu", quantization="gguf")
+    if not llm.engine.model.quantized:
+        pytest.skip("the GGUF kernel could not be built here: the engine dequantised the blocks at load")
+    return llm
+
+
+def test_smollm2_from_its_gguf_blocks_matches_hf_on_the_dequantised_weights(smollm2_gguf_llm, smollm2_hf):
+    """The built-in model's Q4_1/Q8_0 blocks through the kernel: still the float32 model transformers runs.
+    A 13-token prompt takes the kernel, a 160-token one the wide path (dequantised for the call)."""
+    model = smollm2_gguf_llm.engine.model
+    assert model.weight_bytes < 160 * 2**20  # the blocks, not 620 MiB of float32 matrices
+    short = smollm2_gguf_llm.tokenizer.encode(PROMPTS[2])
+    assert_logits_match(smollm2_gguf_llm.engine, smollm2_hf, short, max_tokens=6)
+    long = smollm2_gguf_llm.tokenizer.encode(" ".join(PROMPTS * 12))
+    assert len(long) > 32
+    assert_logits_match(smollm2_gguf_llm.engine, smollm2_hf, long, max_tokens=3)
+    outs = smollm2_gguf_llm.generate(PROMPTS, greedy(16))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = smollm2_gguf_llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
+        assert out.token_ids == ref.tolist(), prompt
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_32_tokens_equal_hf_generate(smollm2_llm, smollm2_hf):
     outs = smollm2_llm.generate(PROMPTS, greedy(32))

@@ -1,0 +1,239 @@
+// x @ W.T for a weight W kept in llama.cpp's block-quantised formats, with float32 activations and sums.
+//
+// A GGUF checkpoint stores each row of a matrix in blocks of 32 weights: Q4_1 as a 4-bit code q, a scale d
+// and an offset m per block (w = d * q + m, 5 bits a weight), Q8_0 as an 8-bit code and a scale (w = d * q,
+// 8.5 bits). The engine used to dequantise them once into a float32 matrix, 6.4x (Q4_1) the bytes, and a
+// decode step streams every matrix once: this kernel streams the blocks instead and decodes each weight in
+// registers. d * q is exact in float32 (an 11-bit half times a code of at most 8 bits), so fma(d, q, m) is
+// the float32 weight the dequantised matrix held, bit for bit; only the order of the sums differs from a
+// float32 matmul's. The activations are not quantised (llama.cpp rounds them to 8 bits for its dot products):
+// the logits stay those of the float32 model.
+//
+// Layouts (repacked once at load, `engine.quant`): codes [N, K/32, 16] uint8 for Q4_1 (byte j holds weight
+// j in its low nibble, weight j + 16 in its high one, as in GGUF), [N, K/32, 32] int8 for Q8_0; scales and
+// offsets [N, K/32] float32 (GGUF's halves widened, exactly).
+//
+// Work: threads split the output columns (rows of W); each task takes NR rows of W and up to MR rows of x at
+// a time, decodes a block of each W row once and multiplies it into all MR rows of x, holding NR x MR
+// accumulator vectors in registers. Batches wider than MR walk the same W rows again (from cache).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t s8x16 __attribute__((vector_size(16)));
+
+constexpr int kBlock = 32;
+constexpr int NR = 2;  // rows of W per task step
+constexpr int MR = 8;  // rows of x per pass over those rows
+
+inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum(v16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#endif
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// The 32 weights of one Q4_1 block as two vectors (weights 0-15, 16-31).
+// NOTE: AVX-512 intrinsics where the CPU has them: GCC lowers the vector extensions' byte-to-int widening to
+// one insert per lane (4x slower end to end); elsewhere the portable form.
+inline void decode_q4_1(const uint8_t* codes, float d, float m, v16& lo, v16& hi) {
+#if defined(__AVX512F__)
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), vd, vm);
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), vd, vm);
+#else
+  u8x16 b;
+  __builtin_memcpy(&b, codes, 16);
+  i16 q = __builtin_convertvector(b, i16);
+  lo = __builtin_convertvector(q & 15, v16) * d + m;
+  hi = __builtin_convertvector(q >> 4, v16) * d + m;
+#endif
+}
+
+inline void decode_q8_0(const int8_t* codes, float d, v16& lo, v16& hi) {
+#if defined(__AVX512F__)
+  const __m512 vd = _mm512_set1_ps(d);
+  lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(codes)))), vd);
+  hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(codes + 16)))), vd);
+#else
+  s8x16 a, b;
+  __builtin_memcpy(&a, codes, 16);
+  __builtin_memcpy(&b, codes + 16, 16);
+  lo = __builtin_convertvector(__builtin_convertvector(a, i16), v16) * d;
+  hi = __builtin_convertvector(__builtin_convertvector(b, i16), v16) * d;
+#endif
+}
+
+// out[m0:m0+mr, n0:n0+nr] = x[m0:m0+mr] @ W[n0:n0+nr].T, W's blocks decoded by `decode(row, block, lo, hi)`
+template <int nr, int mr, typename Decode>
+inline void tile(const float* x, int64_t K, float* out, int64_t N, int64_t n0, Decode decode) {
+  v16 acc[nr][mr];
+  for (int r = 0; r < nr; ++r)
+    for (int i = 0; i < mr; ++i) acc[r][i] = v16{} ;
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    v16 lo[nr], hi[nr];
+    for (int r = 0; r < nr; ++r) decode(n0 + r, b, lo[r], hi[r]);
+    for (int i = 0; i < mr; ++i) {
+      const v16 xl = load16(x + i * K + b * kBlock), xh = load16(x + i * K + b * kBlock + 16);
+      for (int r = 0; r < nr; ++r) acc[r][i] += lo[r] * xl + hi[r] * xh;
+    }
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int i = 0; i < mr; ++i) out[i * N + n0 + r] = hsum(acc[r][i]);
+}
+
+template <int nr, typename Decode>
+inline void rows_of(const float* x, int64_t M, int64_t K, float* out, int64_t N, int64_t n0, Decode decode) {
+  int64_t m0 = 0;
+  for (; m0 + MR <= M; m0 += MR) tile<nr, MR>(x + m0 * K, K, out + m0 * N, N, n0, decode);
+  const float* xr = x + m0 * K;
+  float* o = out + m0 * N;
+  switch (M - m0) {  // the last rows of x, fewer than MR
+    case 1: tile<nr, 1>(xr, K, o, N, n0, decode); break;
+    case 2: tile<nr, 2>(xr, K, o, N, n0, decode); break;
+    case 3: tile<nr, 3>(xr, K, o, N, n0, decode); break;
+    case 4: tile<nr, 4>(xr, K, o, N, n0, decode); break;
+    case 5: tile<nr, 5>(xr, K, o, N, n0, decode); break;
+    case 6: tile<nr, 6>(xr, K, o, N, n0, decode); break;
+    case 7: tile<nr, 7>(xr, K, o, N, n0, decode); break;
+    default: break;
+  }
+}
+
+template <int nr, typename Decode>
+inline void rows(const float* x, int64_t M, int64_t K, float* out, int64_t N, int64_t n0, Decode decode,
+                 float* scratch) {
+  if (M > MR) {
+    // NOTE: a wide batch walks these rows once per MR rows of x: decode them once into a float32 scratch
+    // that stays in L1/L2 (nr x K floats), and let every pass read it there
+    const int64_t blocks = K / kBlock;
+    for (int r = 0; r < nr; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        v16 lo, hi;
+        decode(n0 + r, b, lo, hi);
+        __builtin_memcpy(scratch + r * K + b * kBlock, &lo, sizeof(lo));
+        __builtin_memcpy(scratch + r * K + b * kBlock + 16, &hi, sizeof(hi));
+      }
+    auto decoded = [=](int64_t n, int64_t b, v16& lo, v16& hi) {
+      lo = load16(scratch + (n - n0) * K + b * kBlock);
+      hi = load16(scratch + (n - n0) * K + b * kBlock + 16);
+    };
+    rows_of<nr>(x, M, K, out, N, n0, decoded);
+  } else {
+    rows_of<nr>(x, M, K, out, N, n0, decode);
+  }
+}
+
+template <typename Decode>
+torch::Tensor linear(const torch::Tensor& x, int64_t N, Decode decode) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x must be a 2-D float32 tensor");
+  const torch::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  TORCH_CHECK(K % kBlock == 0, "the inner dimension (", K, ") must be a multiple of ", kBlock);
+  torch::Tensor out = torch::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t pairs = N / NR;
+  at::parallel_for(0, pairs + (N % NR), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(M > MR ? NR * K : 0);
+    for (int64_t p = begin; p < end; ++p) {
+      if (p < pairs) rows<NR>(xp, M, K, op, N, p * NR, decode, scratch.data());
+      else rows<1>(xp, M, K, op, N, pairs * NR, decode, scratch.data());  // an odd last row
+    }
+  });
+  return out;
+}
+
+void check_weights(const torch::Tensor& codes, const torch::Tensor& scales, int64_t bytes, int64_t K) {
+  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 3 && codes.size(2) == bytes, "codes must be [N, K/32, ",
+              bytes, "] and contiguous");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
+                  scales.sizes() == codes.sizes().slice(0, 2),
+              "scales must be float32 [N, K/32] and contiguous");
+  TORCH_CHECK(codes.size(1) * kBlock == K, "x's inner dimension (", K, ") does not match the weight's (",
+              codes.size(1) * kBlock, ")");
+}
+
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                          const torch::Tensor& offsets) {
+  check_weights(codes, scales, 16, x.size(-1));
+  check_weights(codes, offsets, 16, x.size(-1));
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8, "Q4_1 codes must be uint8");
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* d = scales.data_ptr<float>();
+  const float* m = offsets.data_ptr<float>();
+  const int64_t blocks = codes.size(1);
+  return linear(x, codes.size(0), [=](int64_t n, int64_t b, v16& lo, v16& hi) {
+    const int64_t i = n * blocks + b;
+    decode_q4_1(c + i * 16, d[i], m[i], lo, hi);
+  });
+}
+
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
+  check_weights(codes, scales, 32, x.size(-1));
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8, "Q8_0 codes must be int8");
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* d = scales.data_ptr<float>();
+  const int64_t blocks = codes.size(1);
+  return linear(x, codes.size(0), [=](int64_t n, int64_t b, v16& lo, v16& hi) {
+    const int64_t i = n * blocks + b;
+    decode_q8_0(c + i * 32, d[i], lo, hi);
+  });
+}
+
+// The float32 matrix [N, K] the blocks encode (for wide batches, which a float32 matmul runs faster).
+torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& scales,
+                         const c10::optional<torch::Tensor>& offsets) {
+  const bool q4 = codes.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(q4 == offsets.has_value(), "Q4_1 blocks (uint8 codes) come with offsets, Q8_0 (int8) without");
+  const int64_t K = codes.size(1) * kBlock;
+  check_weights(codes, scales, q4 ? 16 : 32, K);
+  if (q4) check_weights(codes, *offsets, 16, K);
+  const int64_t N = codes.size(0), blocks = codes.size(1);
+  torch::Tensor out = torch::empty({N, K}, scales.options());
+  float* o = out.data_ptr<float>();
+  const float* d = scales.data_ptr<float>();
+  const float* m = q4 ? offsets->data_ptr<float>() : nullptr;
+  at::parallel_for(0, N * blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      v16 lo, hi;
+      if (q4) decode_q4_1(codes.data_ptr<uint8_t>() + i * 16, d[i], m[i], lo, hi);
+      else decode_q8_0(codes.data_ptr<int8_t>() + i * 32, d[i], lo, hi);
+      __builtin_memcpy(o + i * kBlock, &lo, sizeof(lo));
+      __builtin_memcpy(o + i * kBlock + 16, &hi, sizeof(hi));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_1_linear", &q4_1_linear, "x @ W.T, W in Q4_1 blocks (codes, scales, offsets); float32 sums");
+  m.def("q8_0_linear", &q8_0_linear, "x @ W.T, W in Q8_0 blocks (codes, scales); float32 sums");
+  m.def("dequantize", &dequantize, "Q4_1 or Q8_0 blocks -> the float32 matrix they encode",
+        py::arg("codes"), py::arg("scales"), py::arg("offsets") = py::none());
+}

@@ -1,0 +1,101 @@
+"""GGUF weights kept in their blocks (`engine.quant`, `engine/kernels/gguf_matmul.cpp`).
+
+Blocks are made by the `gguf` package's own quantiser and read back by its own dequantiser: the reference is
+independent of ours. The kernel must decode every weight to exactly the float32 value `gguf` gives, and
+multiply like a float32 matmul over those values (the sums' order aside), at every batch width and shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine.config import EngineConfig
+from engine.hub import gguf_source
+from engine.kernels import gguf_kernels
+from engine.quant import WIDE_ROWS, BlockQuantized, QuantizedMatmul
+from tests.engine.helpers import rel_err
+
+KINDS = ["Q4_1", "Q8_0"]
+
+
+def blocks(kind: str, rows: int, cols: int, seed: int = 0) -> tuple[BlockQuantized, torch.Tensor]:
+    """Random weights quantised by `gguf`, and the float32 matrix `gguf` dequantises them to."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType[kind])
+    dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+    return BlockQuantized.from_gguf(kind, raw, rows), dense
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = gguf_kernels()
+    if k is None:
+        pytest.skip("the GGUF kernel could not be built here (no compiler): the engine dequantises at load")
+    return k
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_both_decoders_give_the_gguf_packages_float32_weights_bit_for_bit(kind, kernels):
+    b, dense = blocks(kind, 37, 96)
+    assert b.shape == (37, 96)
+    assert torch.equal(b.dequantize(), dense)
+    assert torch.equal(b.dequantize(kernels), dense)
+    ids = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(b.rows(ids), dense[ids])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, WIDE_ROWS, WIDE_ROWS + 1, 100])
+def test_the_kernel_equals_a_float32_matmul_over_the_dequantised_weights(kind, rows, kernels):
+    # 37 output rows: an odd last row of W; 96 = 3 blocks; x rows: under, at and over a tile and the wide cut
+    b, dense = blocks(kind, 37, 96, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    run = kernels.q8_0_linear if kind == "Q8_0" else kernels.q4_1_linear
+    got = run(x, *(t for t in (b.codes, b.scales, b.offsets) if t is not None))
+    assert rel_err(got, x @ dense.T) < 1e-6
+    bias, scale = torch.randn(37), torch.rand(96) + 0.5
+    m = QuantizedMatmul(b, kernels, bias, scale)
+    ref = F.linear(x * scale, dense, bias)
+    assert rel_err(m(x), ref) < 1e-6
+    other = torch.randn(rows, 37)
+    assert rel_err(m.add(x, other), ref + other) < 1e-6
+    assert rel_err(m.mul(x, other), ref * other) < 1e-6
+    assert rel_err(m.silu(x), F.silu(ref)) < 1e-6
+
+
+def test_fused_matrices_keep_their_rows_and_mixed_types_are_refused():
+    a, da = blocks("Q4_1", 8, 64, seed=1)
+    b, db = blocks("Q4_1", 5, 64, seed=2)
+    assert torch.equal(BlockQuantized.cat([a, b]).dequantize(), torch.cat([da, db]))
+    c, _ = blocks("Q8_0", 5, 64)
+    with pytest.raises(ValueError, match="different GGUF types"):
+        BlockQuantized.cat([a, c])
+
+
+def test_bad_inputs_are_refused_with_the_shape_named(kernels):
+    b, _ = blocks("Q4_1", 4, 64)
+    with pytest.raises(RuntimeError, match="inner dimension"):
+        kernels.q4_1_linear(torch.randn(2, 96), b.codes, b.scales, b.offsets)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.q4_1_linear(torch.randn(2, 64, dtype=torch.float64), b.codes, b.scales, b.offsets)
+    with pytest.raises(ValueError, match="only Q4_1, Q8_0"):
+        BlockQuantized.from_gguf("Q5_K", np.zeros(176, dtype=np.uint8), 1)
+
+
+def test_quantization_is_refused_where_it_cannot_apply(tmp_path):
+    with pytest.raises(ValueError, match="--quantization"):
+        EngineConfig(model="tiny-random", quantization="int4")
+    with pytest.raises(ValueError, match="built-in engine's"):
+        EngineConfig(model="smollm2-135m", quantization="gguf", backend="vllm")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    with pytest.raises(ValueError, match="needs a .gguf checkpoint"):
+        gguf_source(str(hf_dir), hf_dir, "gguf")
+    assert gguf_source(str(hf_dir), hf_dir, None) is None
+    assert gguf_source("x.gguf", tmp_path / "x.gguf", None) == tmp_path / "x.gguf"
+    assert gguf_source("x.gguf", tmp_path / "x.gguf", "none") is None
