@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=8, help="requests of 60 tokens, one after another")
     args = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=MODEL, device="cpu", dtype="float32", num_threads=args.threads,
-                                    cache=CacheConfig(block_size=16, num_blocks=256)))
+                                    cache=CacheConfig(block_size=16, num_blocks=256),
+                                    quantization="none"))  # (its variants rewrite the float32 matrices)
     gate_up = fused_gate_up(engine)
     variants = {"base": engine.model.forward, "same": make_forward(engine),
                 "vector_norm": make_forward(engine, norm=norm_by_vector_norm),

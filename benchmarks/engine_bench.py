@@ -79,6 +79,7 @@ from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, Schedul
 from engine.config import FP8_KV_DTYPES, KV_CACHE_DTYPES, SpeculativeConfig, cdiv
 from engine.hub import ensure_smollm2
 from engine.models.llama import LlamaForCausalLM
+from engine.quant import BlockQuantized
 from engine.request import Request
 
 MODEL = "smollm2-135m"
@@ -116,6 +117,9 @@ class BenchConfig:
     context_steps: int = 16  # decode steps per context run
     # also run each context case over KV caches of these dtypes (float32 weights), side by side ("bfloat16")
     context_kv_cache_dtypes: tuple[str, ...] = ()
+    # the engine's weights (EngineConfig.quantization): None, SmolLM2's default (its GGUF blocks); "none":
+    # the dequantised float32 matrices transformers reads
+    quantization: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -216,6 +220,7 @@ def load_engine(cfg: BenchConfig, mixed: Sequence[MixedRequest]) -> LLMEngine:
     )
     return LLMEngine(EngineConfig(
         model=MODEL, device="cpu", dtype="float32", num_threads=cfg.threads, seed=cfg.seed,
+        quantization=cfg.quantization,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=cfg.max_num_batched_tokens),
     ))
@@ -346,8 +351,9 @@ def copy_bandwidth(num_bytes: int = COPY_BYTES, reps: int = 5, device: torch.dev
 
 def decode_bytes(model: LlamaForCausalLM) -> int:
     """Bytes a batch-1 decode step streams: all layer weights, the final norm, lm_head, one embedding row."""
-    row = model.embed[0].numel() * model.embed.element_size()
-    return model.weight_bytes - model.embed.shape[0] * row + row
+    e = model.embed
+    table = e.nbytes if isinstance(e, BlockQuantized) else e.numel() * e.element_size()
+    return model.weight_bytes - table + table // e.shape[0]
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -522,6 +528,7 @@ def load_context_engine(cfg: BenchConfig, kv_cache_dtype: str | None = None) -> 
     blocks = max(b * cdiv(n + cfg.context_steps + 1, BLOCK_SIZE) for b, n in context_cases(cfg))
     return LLMEngine(EngineConfig(
         model=MODEL, device="cpu", dtype="float32", num_threads=cfg.threads, seed=cfg.seed,
+        quantization=cfg.quantization,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks + 64, dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=cfg.max_num_batched_tokens),
     ))
@@ -604,6 +611,8 @@ def run(cfg: BenchConfig, sections: Sequence[str] = SECTIONS) -> dict:
     rng = random.Random(cfg.seed)
     mixed = mixed_workload(cfg, rng, vocab)
     engine = load_engine(cfg, mixed)
+    weights = "GGUF blocks" if engine.model.quantized else "float32 matrices"
+    progress(f"the engine's weights: {weights} ({engine.model.weight_bytes / 2**20:.0f} MiB)")
     warm_up(engine, hf, rng, vocab)
 
     spec_engine = load_spec_engine(cfg, engine)
@@ -625,7 +634,8 @@ def run(cfg: BenchConfig, sections: Sequence[str] = SECTIONS) -> dict:
         **{f"spec_ngram_{k.split('_')[1]}_vs_plain" + ("" if k.startswith("repetition") else "_chat"): v["ratio"]
            for k, v in spec.items()},
         **context_ratios(context),
-        "model": MODEL, "dtype": "float32", "threads": cfg.threads, "torch": torch.__version__,
+        "model": MODEL, "dtype": "float32", "weights": weights, "threads": cfg.threads,
+        "torch": torch.__version__,
         "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(), "sections": list(sections),
         "transformers": transformers.__version__, "config": dataclasses.asdict(cfg),
         "decode": decode, "mixed": mixed_result, "prefill": prefill, "roofline": roofline, "speculation": spec,
@@ -634,7 +644,8 @@ def run(cfg: BenchConfig, sections: Sequence[str] = SECTIONS) -> dict:
 
 
 def table(r: dict) -> str:
-    rows = [f"{MODEL} float32 on CPU, torch {r['torch']} with {r['threads']} threads, "
+    rows = [f"{MODEL} float32 on CPU (the engine's weights in {r.get('weights', 'float32 matrices')}), "
+            f"torch {r['torch']} with {r['threads']} threads, "
             f"transformers {r['transformers']}",
             f"{'':<30}{'engine':>12}{'transformers':>14}{'ratio':>9}"]
 
@@ -684,6 +695,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the context section's tokens of context, comma-separated (default 16,256,1024,4096)")
     parser.add_argument("--context-batches", default=None,
                         help="the context section's batch sizes, comma-separated (default 1,8,32)")
+    parser.add_argument("--quantization", choices=["gguf", "none"], default=None,
+                        help="the engine's weights: SmolLM2's GGUF blocks (gguf, the default) or the "
+                             "dequantised float32 matrices (none) that transformers reads either way")
     parser.add_argument("--context-kv-cache-dtype", default=None,
                         help="the context section also runs every case over KV caches of these dtypes, "
                              f"side by side (comma-separated, of {', '.join(NARROW)})")
@@ -694,6 +708,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = dataclasses.replace(QUICK if args.quick else BenchConfig(), threads=args.threads)
     if args.hf_batch is not None:
         cfg = dataclasses.replace(cfg, hf_batch=args.hf_batch)
+    if args.quantization is not None:
+        cfg = dataclasses.replace(cfg, quantization=args.quantization)
     if args.context_lens:
         cfg = dataclasses.replace(cfg, context_lens=tuple(int(n) for n in args.context_lens.split(",")))
     if args.context_batches:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.engine_then_now                          # against bb212ee, issue #29's "today"
     python -m benchmarks.engine_then_now --ref HEAD~3 --cases 8x16,8x1024 --rounds 2 --json OUT.json
+    python -m benchmarks.engine_then_now --gguf    # also the working tree over SmolLM2's GGUF blocks
 
 Issue #29 asks decode at batch 8 and 32 at 1,024 tokens of context to be at least 2x "today's", the engine
 of the day it was filed (bb212ee, 2026-12-02 21:39). Its figure (280 ms at batch 8) was taken in a slow
@@ -16,7 +17,9 @@ files for both), a float32 cache of 16-token blocks, 2 torch threads; per case, 
 exactly `context` tokens are prefilled into the prefix cache first, then run again with 16 new tokens
 each, and the case's figure is the median step among the steps in which every sequence decoded one token
 (as `engine_bench --sections context` measures it). The ratio then/now is the result; the milliseconds
-move with the machine.
+move with the machine. `--gguf` adds a third process a round, the working tree serving the same model from
+its GGUF file's Q4_1/Q8_0 blocks (`--quantization gguf`: the same float32 weight values, read in 6-9 bits a
+weight), in the order then, now, now over GGUF, and reversed the next round.
 """
 
 from __future__ import annotations
@@ -149,35 +152,47 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per process")
     ap.add_argument("--json", type=Path, help="write the runs and the ratios here")
+    ap.add_argument("--gguf", action="store_true",
+                    help="also run the working tree over SmolLM2's GGUF blocks (--quantization gguf)")
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
 
     sys.path.insert(0, str(REPO))
-    from engine.hub import ensure_smollm2
+    from engine.hub import ensure_smollm2, smollm2_gguf_path
 
     params = {"model": str(ensure_smollm2()), "cases": args.cases, "threads": args.threads, "seed": 0}
+    # (a .gguf model is kept in its blocks by default)
+    gguf_params = {**params, "model": str(smollm2_gguf_path())}
     with tempfile.TemporaryDirectory(prefix="pdserve-then-") as tmp:
-        trees = {"then": unpack(args.ref, Path(tmp)), "now": REPO}
-        runs: dict[str, list[dict]] = {"then": [], "now": []}
-        abba = (("then", "now"), ("now", "then"))
-        order = [name for r in range(args.rounds) for name in abba[r % 2]]
+        trees = {"then": unpack(args.ref, Path(tmp)), "now": REPO, "now_gguf": REPO}
+        names = ["then", "now"] + (["now_gguf"] if args.gguf else [])
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        order = [name for r in range(args.rounds) for name in (names if r % 2 == 0 else names[::-1])]
         for i, name in enumerate(order, 1):
-            which = f"at {args.ref}" if name == "then" else "of the working tree"
+            which = {"then": f"at {args.ref}", "now": "of the working tree",
+                     "now_gguf": "of the working tree over the GGUF blocks"}[name]
             progress(f"[{i}/{len(order)}] the engine {which}")
             t0 = time.perf_counter()
-            got = one_process(trees[name], params, args.timeout_s)
+            got = one_process(trees[name], gguf_params if name == "now_gguf" else params, args.timeout_s)
             runs[name].append(got)
             progress("  " + ", ".join(f"{k} {v:.1f} ms/step" for k, v in got.items())
                      + f" ({time.perf_counter() - t0:.0f} s)")
 
     summary = {}
-    print(f"{'case':<14}{'then ms':>10}{'now ms':>10}{'now faster':>12}")
+    gguf = "now_gguf" in runs
+    print(f"{'case':<14}{'then ms':>10}{'now ms':>10}{'now faster':>12}"
+          + (f"{'GGUF ms':>10}{'GGUF faster':>13}" if gguf else ""))
     for key in runs["now"][0]:
         then = statistics.median(r[key] for r in runs["then"])
         now = statistics.median(r[key] for r in runs["now"])
         summary[key] = {"then_step_ms": then, "now_step_ms": now, "speedup": then / now}
-        print(f"{key:<14}{then:>10.1f}{now:>10.1f}{then / now:>11.2f}x")
+        line = f"{key:<14}{then:>10.1f}{now:>10.1f}{then / now:>11.2f}x"
+        if gguf:
+            blocks = statistics.median(r[key] for r in runs["now_gguf"])
+            summary[key].update({"now_gguf_step_ms": blocks, "gguf_speedup": then / blocks})
+            line += f"{blocks:>10.1f}{then / blocks:>12.2f}x"
+        print(line)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"ref": args.ref, "cases": args.cases, "threads": args.threads,

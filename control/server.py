@@ -19,7 +19,7 @@ from control.console import ServeError, log
 from control.doors import bind_grpc, grpc_door, http_server, metrics_endpoint, set_health
 from control.launcher import ray_launcher
 from engine.config import FP8_KV_DTYPES
-from engine.hub import resolve_model
+from engine.hub import gguf_source, resolve_model
 from engine.model_files import load_config, model_limits
 from engine.tokenizer import Tokenizer
 from protocol.kv_config import KVTransferConfig
@@ -92,6 +92,11 @@ class Server:
             context, vocab_size = model_limits(path, builtin="builtin" in c.engines())
         except ValueError as e:
             raise ServeError(f"--model {c.model}: {e}") from e
+        if c.quantization == "gguf":  # (an HF directory: refused here, not in each worker in turn)
+            try:
+                gguf_source(c.model, path, c.quantization)
+            except ValueError as e:
+                raise ServeError(str(e)) from e
         if c.kv_cache_memory_bytes is not None and "builtin" in c.engines():
             least = smallest_kv_block_bytes(path, c)
             if c.kv_cache_memory_bytes < least:  # here, not in each worker in turn

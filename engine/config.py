@@ -336,8 +336,8 @@ class EngineConfig:
     # what runs the model: "builtin" (pdserve's own engine) or "vllm" (an in-process vLLM engine)
     backend: str = "builtin"
     # "gguf": keep a GGUF checkpoint's Q4_1/Q8_0 matrices in their blocks (`engine.quant`; the model is still
-    # the float32 one, read in 5-8.5 bits a weight; the built-in smollm2-135m is shipped as one); "none":
-    # dequantise them to `dtype` at load. None: "gguf" for a .gguf file, "none" otherwise
+    # the float32 one, read in 6-9 bits a weight); "none": dequantise them to `dtype` at load. None: "gguf"
+    # for a .gguf file and the built-in smollm2-135m (shipped as one), "none" for an HF directory
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -348,7 +348,8 @@ class EngineConfig:
         if not self.model:
             raise ValueError("EngineConfig.model must name a model")
         if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"EngineConfig.quantization (--quantization) must be one of {QUANTIZATIONS}, "
+            raise ValueError("EngineConfig.quantization (--quantization) must be one of "
+                             f"{', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
         if self.quantization == "gguf" and self.backend == "vllm":
             raise ValueError("--quantization gguf is the built-in engine's; a vLLM engine loads the model's "

@@ -86,7 +86,7 @@ def gguf_source(model: str, path: Path, quantization: str | None) -> Path | None
         return None
     if path.suffix == ".gguf":
         return path
-    if model == "smollm2-135m" and quantization == "gguf":
+    if model == "smollm2-135m":  # (shipped as Q4_1/Q8_0 GGUF; the HF directory is our dequantised copy)
         return smollm2_gguf_path()
     if quantization == "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf checkpoint, and {model!r} is an HF directory; "

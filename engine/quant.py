@@ -1,9 +1,10 @@
 """Weights kept in GGUF's block-quantised formats (Q4_1, Q8_0) and the matmul that reads them.
 
 A GGUF checkpoint (llama.cpp's format; the built-in SmolLM2 ships as one) stores each row of a matrix in
-blocks of 32 weights: Q4_1 as 4-bit codes with a half-precision scale and offset per block (w = d * q + m,
-5 bits a weight), Q8_0 as 8-bit codes with a scale (w = d * q, 8.5 bits). `--quantization gguf` keeps them
-so: a decode step, which streams every matrix once, reads 5-8.5 bits a weight instead of 32, and the CPU
+blocks of 32 weights: Q4_1 as 4-bit codes with a half-precision scale and offset per block (w = d * q + m),
+Q8_0 as 8-bit codes with a scale (w = d * q). `--quantization gguf` keeps the codes as they are and widens
+the scales to float32 (exactly): a decode step, which streams every matrix once, reads 6 (Q4_1) or 9 (Q8_0)
+bits a weight instead of 32, and the CPU
 kernel (`engine/kernels/gguf_matmul.cpp`) decodes each weight in registers into exactly the float32 value
 the dequantised checkpoint holds (d * q is exact in float32). Activations and sums stay float32, so the
 model is the float32 one: its logits match transformers' on the dequantised weights to float32 rounding.
@@ -78,6 +79,8 @@ class BlockQuantized:
     @staticmethod
     def cat(parts: list[BlockQuantized]) -> BlockQuantized:
         """Matrices stacked along their rows (fused q/k/v), all of one kind."""
+        if len(parts) == 1:
+            return parts[0]  # (no copy: a tied lm_head shares the embedding's blocks)
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse matrices of different GGUF types {sorted(kinds)}")

@@ -1,8 +1,9 @@
 // x @ W.T for a weight W kept in llama.cpp's block-quantised formats, with float32 activations and sums.
 //
 // A GGUF checkpoint stores each row of a matrix in blocks of 32 weights: Q4_1 as a 4-bit code q, a scale d
-// and an offset m per block (w = d * q + m, 5 bits a weight), Q8_0 as an 8-bit code and a scale (w = d * q,
-// 8.5 bits). The engine used to dequantise them once into a float32 matrix, 6.4x (Q4_1) the bytes, and a
+// and an offset m per block (w = d * q + m), Q8_0 as an 8-bit code and a scale (w = d * q). Kept with their
+// scales widened to float32, that is 6 and 9 bits a weight. The engine used to dequantise them once into a
+// float32 matrix, 5.3x (Q4_1) the bytes, and a
 // decode step streams every matrix once: this kernel streams the blocks instead and decodes each weight in
 // registers. d * q is exact in float32 (an 11-bit half times a code of at most 8 bits), so fma(d, q, m) is
 // the float32 weight the dequantised matrix held, bit for bit; only the order of the sums differs from a
@@ -46,10 +47,11 @@ inline v16 load16(const float* p) {
 inline float hsum(v16 v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(v);
-#endif
+#else
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
+#endif
 }
 
 // The 32 weights of one Q4_1 block as two vectors (weights 0-15, 16-31).
@@ -149,7 +151,8 @@ inline void rows(const float* x, int64_t M, int64_t K, float* out, int64_t N, in
 
 template <typename Decode>
 torch::Tensor linear(const torch::Tensor& x, int64_t N, Decode decode) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.device().is_cpu(),
+              "x must be a 2-D float32 CPU tensor");
   const torch::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   TORCH_CHECK(K % kBlock == 0, "the inner dimension (", K, ") must be a multiple of ", kBlock);
@@ -168,6 +171,7 @@ torch::Tensor linear(const torch::Tensor& x, int64_t N, Decode decode) {
 }
 
 void check_weights(const torch::Tensor& codes, const torch::Tensor& scales, int64_t bytes, int64_t K) {
+  TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu(), "the blocks must be CPU tensors");
   TORCH_CHECK(codes.is_contiguous() && codes.dim() == 3 && codes.size(2) == bytes, "codes must be [N, K/32, ",
               bytes, "] and contiguous");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
@@ -217,11 +221,13 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& scales
   float* o = out.data_ptr<float>();
   const float* d = scales.data_ptr<float>();
   const float* m = q4 ? offsets->data_ptr<float>() : nullptr;
+  const uint8_t* c4 = q4 ? codes.data_ptr<uint8_t>() : nullptr;
+  const int8_t* c8 = q4 ? nullptr : codes.data_ptr<int8_t>();
   at::parallel_for(0, N * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       v16 lo, hi;
-      if (q4) decode_q4_1(codes.data_ptr<uint8_t>() + i * 16, d[i], m[i], lo, hi);
-      else decode_q8_0(codes.data_ptr<int8_t>() + i * 32, d[i], lo, hi);
+      if (q4) decode_q4_1(c4 + i * 16, d[i], m[i], lo, hi);
+      else decode_q8_0(c8 + i * 32, d[i], lo, hi);
       __builtin_memcpy(o + i * kBlock, &lo, sizeof(lo));
       __builtin_memcpy(o + i * kBlock + 16, &hi, sizeof(hi));
     }
@@ -231,9 +237,13 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& scales
 
 }  // namespace
 
+// NOTE: the GIL is released while a call runs (it touches no Python object): a decode step's matmuls are
+// most of its time, and the worker's other threads (gRPC, liveness, KV transfer) must run meanwhile
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_linear", &q4_1_linear, "x @ W.T, W in Q4_1 blocks (codes, scales, offsets); float32 sums");
-  m.def("q8_0_linear", &q8_0_linear, "x @ W.T, W in Q8_0 blocks (codes, scales); float32 sums");
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("q4_1_linear", &q4_1_linear, "x @ W.T, W in Q4_1 blocks (codes, scales, offsets); float32 sums",
+        release());
+  m.def("q8_0_linear", &q8_0_linear, "x @ W.T, W in Q8_0 blocks (codes, scales); float32 sums", release());
   m.def("dequantize", &dequantize, "Q4_1 or Q8_0 blocks -> the float32 matrix they encode",
-        py::arg("codes"), py::arg("scales"), py::arg("offsets") = py::none());
+        py::arg("codes"), py::arg("scales"), py::arg("offsets") = py::none(), release());
 }

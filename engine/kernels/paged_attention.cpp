@@ -496,7 +496,9 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
 
 }  // namespace
 
+// NOTE: the GIL is released while it runs (it touches no Python object), so the worker's other threads run
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
-        "out[q rows of each sequence] = softmax(q k^T * scale) v over the sequence's blocks, in place");
+        "out[q rows of each sequence] = softmax(q k^T * scale) v over the sequence's blocks, in place",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -11,6 +11,7 @@ call with position tables looked up once per forward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any, cast
@@ -24,6 +25,8 @@ from engine.kernels import gguf_kernels
 from engine.kv_cache import KVCache
 from engine.models.rope import RotaryEmbedding
 from engine.quant import BlockQuantized, QuantizedMatmul
+
+log = logging.getLogger(__name__)
 
 # called with a layer index right after that layer's KV has been written to the cache
 LayerHook = Callable[[int], None]
@@ -96,7 +99,8 @@ class LayerWeights:
     # NOTE: each RMSNorm's weight (times sqrt(hidden), see `unit_rms`) is folded into the columns of the
     # matrices that read its output: W @ (g * x) == (W * g) @ x. A norm is then 4 small ops, not F.rms_norm's
     # ~10 (it is a composite on CPU), and the weight multiply is gone.
-    # (a GGUF model's quantised matrices are `QuantizedMatmul`s, which apply the norm to x instead)
+    # (a GGUF model's quantised matrices are `QuantizedMatmul`s, which apply the norm to x instead of folding
+    # it in: "folded in" below means the float32 matrices)
     qkv: Matmul | QuantizedMatmul  # [q_size + 2 * kv_size, hidden], attention norm folded in
     o: Matmul | QuantizedMatmul  # [hidden, q_size]
     gate: Matmul | QuantizedMatmul  # [intermediate, hidden], MLP norm folded in
@@ -119,6 +123,10 @@ class LlamaForCausalLM:
         self.device = device
         quantized = quantized or {}
         kernels = gguf_kernels() if quantized and device.type == "cpu" and dtype == torch.float32 else None
+        if quantized and kernels is None:
+            log.info("GGUF blocks dequantised at load: the GGUF kernel runs float32 models on the CPU "
+                     "(this one: %s on %s%s)", dtype, device, "" if device.type != "cpu" or dtype != torch.float32
+                     else ", the kernel could not be built")
         self.quantized = kernels is not None
         present = state_dict.keys() | quantized.keys()
 

@@ -75,3 +75,18 @@ def test_a_kv_cache_too_small_for_one_block_stops_serve_before_any_door_or_worke
                                          r"\(\d+ bytes at the least\)"):
         asyncio.run(server.start())
     assert server.grpc is None
+
+
+def test_quantization_gguf_over_an_hf_directory_stops_serve_before_any_door_or_worker():
+    import asyncio
+
+    from control.config import ServeConfig
+    from control.console import ServeError
+    from control.server import Server
+
+    server = Server(ServeConfig(model="tiny-random", quantization="gguf", port=0, metrics_port=None,
+                                http_port=None))
+    with pytest.raises(ServeError, match=r"--quantization gguf needs a \.gguf checkpoint, and 'tiny-random' "
+                                         r"is an HF directory"):
+        asyncio.run(server.start())
+    assert server.grpc is None

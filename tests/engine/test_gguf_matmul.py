@@ -99,3 +99,26 @@ def test_quantization_is_refused_where_it_cannot_apply(tmp_path):
     assert gguf_source(str(hf_dir), hf_dir, None) is None
     assert gguf_source("x.gguf", tmp_path / "x.gguf", None) == tmp_path / "x.gguf"
     assert gguf_source("x.gguf", tmp_path / "x.gguf", "none") is None
+    assert gguf_source("smollm2-135m", hf_dir, None).suffix == ".gguf"  # (shipped as GGUF)
+    assert gguf_source("smollm2-135m", hf_dir, "none") is None
+
+
+@pytest.mark.slow
+def test_the_portable_path_equals_the_avx512_one(tmp_path, kernels):
+    """The kernel built without AVX-512 (the vector-extension form an AVX2 or ARM machine compiles) gives what
+    the AVX-512 build gives; only the order of the sums may differ."""
+    from torch.utils import cpp_extension
+
+    from engine.kernels import CFLAGS, GGUF_SOURCES
+
+    portable = cpp_extension.load(name="pdserve_gguf_portable", sources=[str(s) for s in GGUF_SOURCES],
+                                  extra_cflags=[*CFLAGS, "-mno-avx512f"], extra_ldflags=["-fopenmp"],
+                                  build_directory=str(tmp_path), verbose=False)
+    for kind in KINDS:
+        b, dense = blocks(kind, 37, 96, seed=3)
+        parts = [t for t in (b.codes, b.scales, b.offsets) if t is not None]
+        assert torch.equal(portable.dequantize(*parts), dense)
+        name = "q8_0_linear" if kind == "Q8_0" else "q4_1_linear"
+        for rows in (1, 9, 33):
+            x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+            assert rel_err(getattr(portable, name)(x, *parts), getattr(kernels, name)(x, *parts)) < 1e-6

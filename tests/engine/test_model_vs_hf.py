@@ -40,7 +40,8 @@ def assert_logits_match(engine, hf, prompt_ids: list[int], max_tokens: int, tol:
 
 @pytest.fixture(scope="module")
 def smollm2_llm():
-    return LLM("smollm2-135m", num_blocks=128, dtype="float32", device="cpu")
+    """SmolLM2 from the dense float32 matrices (its HF directory), as transformers reads it."""
+    return LLM("smollm2-135m", num_blocks=128, dtype="float32", device="cpu", quantization="none")
 
 
 def test_tiny_random_logits_match_hf_prefill_and_every_decode_step():
@@ -265,7 +266,7 @@ def test_smollm2_logits_match_hf_prefill_and_every_decode_step(smollm2_llm, smol
 
 @pytest.fixture(scope="module")
 def smollm2_gguf_llm():
-    llm = LLM("smollm2-135m", num_blocks=128, dtype="float32", device="cpu", quantization="gguf")
+    llm = LLM("smollm2-135m", num_blocks=128, dtype="float32", device="cpu")  # (the default: its blocks)
     if not llm.engine.model.quantized:
         pytest.skip("the GGUF kernel could not be built here: the engine dequantised the blocks at load")
     return llm
@@ -281,20 +282,18 @@ def test_smollm2_from_its_gguf_blocks_matches_hf_on_the_dequantised_weights(smol
     long = smollm2_gguf_llm.tokenizer.encode(" ".join(PROMPTS * 12))
     assert len(long) > 32
     assert_logits_match(smollm2_gguf_llm.engine, smollm2_hf, long, max_tokens=3)
-    outs = smollm2_gguf_llm.generate(PROMPTS, greedy(16))
-    for prompt, out in zip(PROMPTS, outs):
-        ids = smollm2_gguf_llm.tokenizer.encode(prompt)
-        with torch.no_grad():
-            ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
-        assert out.token_ids == ref.tolist(), prompt
+    assert_greedy_equals_hf_generate(smollm2_gguf_llm, smollm2_hf, 16)
 
 
 @pytest.mark.slow
 def test_smollm2_greedy_32_tokens_equal_hf_generate(smollm2_llm, smollm2_hf):
-    outs = smollm2_llm.generate(PROMPTS, greedy(32))
-    for prompt, out in zip(PROMPTS, outs):
-        ids = smollm2_llm.tokenizer.encode(prompt)
+    assert_greedy_equals_hf_generate(smollm2_llm, smollm2_hf, 32)
+
+
+def assert_greedy_equals_hf_generate(llm: LLM, hf, tokens: int) -> None:
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, greedy(tokens))):
+        ids = llm.tokenizer.encode(prompt)
         with torch.no_grad():
-            ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):]
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)[0, len(ids):]
         assert out.token_ids == ref.tolist(), prompt
-        assert out.text == smollm2_llm.tokenizer.decode(ref.tolist())
+        assert out.text == llm.tokenizer.decode(ref.tolist())
