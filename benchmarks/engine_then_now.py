@@ -18,7 +18,7 @@ exactly `context` tokens are prefilled into the prefix cache first, then run aga
 each, and the case's figure is the median step among the steps in which every sequence decoded one token
 (as `engine_bench --sections context` measures it). The ratio then/now is the result; the milliseconds
 move with the machine. `--gguf` adds a third process a round, the working tree serving the same model from
-its GGUF file's Q4_1/Q8_0 blocks (`--quantization gguf`: the same float32 weight values, read in 6-9 bits a
+its GGUF file's Q4_1/Q8_0 blocks (`--quantization gguf`: the same float32 weight values, read in 5-8.5 bits a
 weight), in the order then, now, now over GGUF, and reversed the next round.
 """
 

@@ -6,7 +6,12 @@
 # serves every concurrency in CONCURRENCIES in turn, then stops. Needs the [vllm] install
 # (docs/vllm_backend.md).
 #
-#   [ENGINE=vllm|builtin] bash benchmarks/vllm_side_by_side.sh OUT_DIR [WORKLOAD.jsonl] [CONCURRENCIES] [NUM_REQUESTS]
+#   [ENGINE=vllm|builtin] [QUANTIZATION=gguf|none] bash benchmarks/vllm_side_by_side.sh OUT_DIR \
+#     [WORKLOAD.jsonl] [CONCURRENCIES] [NUM_REQUESTS]
+#
+# QUANTIZATION (builtin only): pdserve's weights. Unset, the built-in engine's default for SmolLM2 since
+# 2026-12-07, its GGUF blocks (the same float32 values as the HF directory vLLM reads, 5-8.5 bits a weight:
+# docs/engine.md#gguf-weights-in-their-blocks); "none" reads the dequantised float32 matrices, as vLLM does.
 #
 # CONCURRENCIES is one number or several ("8 1"). With several, each result is OUT_DIR/LABEL-cN.json.
 # The CPU, then every table with the load average before it, go to OUT_DIR/summary.txt (and stdout).
@@ -14,6 +19,11 @@ set -euo pipefail
 out=${1:?OUT_DIR}; workload=${2:-benchmarks/workloads/long-prompts.jsonl}; concs=${3:-8}; n=${4:-32}
 engine=${ENGINE:-vllm}
 case $engine in vllm|builtin) ;; *) echo "ENGINE must be vllm or builtin, not $engine" >&2; exit 2 ;; esac
+quant=()
+if [ -n "${QUANTIZATION:-}" ]; then
+  [ "$engine" = builtin ] || { echo "QUANTIZATION is the built-in engine's (ENGINE=builtin)" >&2; exit 2; }
+  quant=(--quantization "$QUANTIZATION")
+fi
 read -ra concs <<<"$concs"
 mkdir -p "$out"
 # the CPU under the run: vLLM's CPU kernels move with it more than pdserve's relay does (docs/benchmarks.md)
@@ -47,11 +57,11 @@ OMP_NUM_THREADS=2 VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api
 pid=$!; wait_up 8100; bench vllm-serve 8100; stop $pid
 
 echo "$(date -u +%FT%TZ) booting pdserve colocated ($engine engine)" >&2
-pdserve serve --engine "$engine" --prefill-workers 0 --decode-workers 0 --colocated-workers 1 \
+pdserve serve --engine "$engine" "${quant[@]}" --prefill-workers 0 --decode-workers 0 --colocated-workers 1 \
   --worker-threads 2 --port 50061 --http-port 8200 --metrics-port off >"$out/pdserve-1c-$engine.log" 2>&1 &
 pid=$!; wait_up 8200; bench "pdserve-1c-$engine" 8200; stop $pid
 
 echo "$(date -u +%FT%TZ) booting pdserve 1P+1D ($engine engine)" >&2
-pdserve serve --engine "$engine" --prefill-workers 1 --decode-workers 1 --worker-threads 1 \
+pdserve serve --engine "$engine" "${quant[@]}" --prefill-workers 1 --decode-workers 1 --worker-threads 1 \
   --port 50062 --http-port 8201 --metrics-port off >"$out/pdserve-1p1d-$engine.log" 2>&1 &
 pid=$!; wait_up 8201; bench "pdserve-1p1d-$engine" 8201; stop $pid

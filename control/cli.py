@@ -153,10 +153,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-engine", choices=["builtin", "vllm"], default=None,
                    help="the decode pool's engine (default --engine)")
     p.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
-                   help="the built-in engine's weights from a GGUF file: gguf keeps its Q4_1/Q8_0 "
-                        "matrices in their blocks (6-9 bits a weight; decoded exactly in a CPU kernel, the "
-                        "float32 model still), none dequantises them at load. Default: gguf for a .gguf "
-                        "--model and for smollm2-135m (shipped as GGUF), none for an HF directory")
+                   help="the built-in engine's weights from a GGUF file: gguf keeps its Q4_0/Q4_1/Q8_0 "
+                        "matrices in their blocks (5-8.5 bits a weight, as in the file; decoded exactly in a "
+                        "CPU kernel, the float32 model still), none dequantises them at load. Default: gguf for "
+                        "a .gguf --model and for smollm2-135m (shipped as GGUF), none for an HF directory")
     p.add_argument("--kv-cache-dtype", default=None,
                    choices=["float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="the built-in engine's KV cache dtype (default: the model's); bfloat16 under a float32 "

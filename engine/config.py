@@ -335,9 +335,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # what runs the model: "builtin" (pdserve's own engine) or "vllm" (an in-process vLLM engine)
     backend: str = "builtin"
-    # "gguf": keep a GGUF checkpoint's Q4_1/Q8_0 matrices in their blocks (`engine.quant`; the model is still
-    # the float32 one, read in 6-9 bits a weight); "none": dequantise them to `dtype` at load. None: "gguf"
-    # for a .gguf file and the built-in smollm2-135m (shipped as one), "none" for an HF directory
+    # "gguf": keep a GGUF checkpoint's Q4_0/Q4_1/Q8_0 matrices in their blocks (`engine.quant`; the model is
+    # still the float32 one, read in 5-8.5 bits a weight); "none": dequantise them to `dtype` at load. None:
+    # "gguf" for a .gguf file and the built-in smollm2-135m (shipped as one), "none" for an HF directory
     quantization: str | None = None
 
     def __post_init__(self) -> None:

@@ -5,7 +5,8 @@ stores q_proj and k_proj with their rows permuted for its interleaved RoPE; we u
 follow the HF (rotate-half) convention that the rest of the engine and transformers use. Its Qwen2 and
 Qwen3 files keep HF's order.
 
-`load_gguf_quantized` keeps Q4_1 and Q8_0 matrices in their blocks (`engine.quant`), permuted the same way.
+`load_gguf_quantized` keeps Q4_0, Q4_1 and Q8_0 matrices in their blocks (`engine.quant`), permuted the
+same way.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockQuantized]]:
-    """Q4_1 and Q8_0 matrices kept in their blocks (the third dict), every other tensor in float32."""
+    """Q4_0, Q4_1 and Q8_0 matrices kept in their blocks (the third dict), every other tensor in float32."""
     return _read(path, keep_quantized=True)
 
 

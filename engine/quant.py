@@ -2,9 +2,9 @@
 
 A GGUF checkpoint (llama.cpp's format; the built-in SmolLM2 ships as one) stores each row of a matrix in
 blocks of 32 weights: Q4_1 as 4-bit codes with a half-precision scale and offset per block (w = d * q + m),
-Q8_0 as 8-bit codes with a scale (w = d * q). `--quantization gguf` keeps the codes as they are and widens
-the scales to float32 (exactly): a decode step, which streams every matrix once, reads 6 (Q4_1) or 9 (Q8_0)
-bits a weight instead of 32, and the CPU
+Q8_0 as 8-bit codes with a scale (w = d * q). `--quantization gguf` keeps them as the file has them: a
+decode step, which streams every matrix once, reads 5 (Q4_1) or 8.5 (Q8_0) bits a weight instead of 32, and
+the CPU
 kernel (`engine/kernels/gguf_matmul.cpp`) decodes each weight in registers into exactly the float32 value
 the dequantised checkpoint holds (d * q is exact in float32). Activations and sums stay float32, so the
 model is the float32 one: its logits match transformers' on the dequantised weights to float32 rounding.
@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 32
-# GGUF type name -> (bytes of one block, bytes of its codes)
-KINDS = {"Q4_1": (20, 16), "Q8_0": (34, 32)}
+# GGUF type name -> (bytes of one block, bytes of its codes). Q4_0 (w = d * (q - 8)) is kept as Q4_1 with
+# m = -8d (exact in float16 short of overflow, which is refused): d * q and -8d are exact in float32 and so is
+# their sum, so the kernel's fma gives gguf's value.
+KINDS = {"Q4_0": (18, 16), "Q4_1": (20, 16), "Q8_0": (34, 32)}
 # NOTE: at most this many rows of x take the kernel; wider ones dequantise and run a float32 matmul. Measured
 # on SmolLM2's shapes, 2 threads (2026-12-07): the kernel was 1.2-1.4x oneDNN's float32 matmul at 16 rows,
 # 0.6x at 128 and 0.2-0.4x at 512, where dequantising for the call and F.linear matched oneDNN within 10%.
@@ -33,9 +35,9 @@ WIDE_ROWS = 32
 
 @dataclass
 class BlockQuantized:
-    """One [N, K] matrix in GGUF blocks, repacked for the kernel: codes [N, K/32, 16] uint8 (Q4_1; byte j
-    holds weight j in its low nibble and j + 16 in its high one) or [N, K/32, 32] int8 (Q8_0); scales and
-    offsets [N, K/32] float32 (GGUF's halves, widened exactly); offsets only for Q4_1."""
+    """One [N, K] matrix in GGUF blocks, repacked for the kernel: codes [N, K/32, 16] uint8 (Q4_1, and Q4_0
+    in its form; byte j holds weight j in its low nibble and j + 16 in its high one) or [N, K/32, 32] int8
+    (Q8_0); scales and offsets [N, K/32] float16, as GGUF stores them; offsets only for Q4_1."""
 
     kind: str
     codes: torch.Tensor
@@ -51,12 +53,17 @@ class BlockQuantized:
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1, size)
 
         def half(at: int) -> torch.Tensor:
-            halves = blocks[..., at:at + 2].copy().view(np.float16)[..., 0]
-            return torch.from_numpy(halves.astype(np.float32))
+            return torch.from_numpy(blocks[..., at:at + 2].copy().view(np.float16)[..., 0].copy())
 
         codes = np.ascontiguousarray(blocks[..., size - code_bytes:])
         if kind == "Q8_0":
             return cls(kind, torch.from_numpy(codes.view(np.int8)), half(0), None)
+        if kind == "Q4_0":
+            d = half(0)
+            m = d * -8
+            if not torch.isfinite(m).all():
+                raise ValueError("a Q4_0 scale too large to keep as Q4_1 (-8d overflows float16)")
+            return cls("Q4_1", torch.from_numpy(codes), d, m)
         return cls(kind, torch.from_numpy(codes), half(0), half(2))
 
     @property
@@ -104,10 +111,11 @@ class BlockQuantized:
 
 def _decode(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
     if offsets is None:
-        w = codes.float() * scales.unsqueeze(-1)
+        w = codes.float() * scales.float().unsqueeze(-1)
     else:
         q = torch.cat([codes & 15, codes >> 4], dim=-1).float()
-        w = q * scales.unsqueeze(-1) + offsets.unsqueeze(-1)  # (d * q is exact: one rounding, as gguf's)
+        # (d * q is exact: one rounding, as gguf's)
+        w = q * scales.float().unsqueeze(-1) + offsets.float().unsqueeze(-1)
     return w.flatten(-2)
 
 

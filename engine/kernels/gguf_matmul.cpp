@@ -1,18 +1,17 @@
 // x @ W.T for a weight W kept in llama.cpp's block-quantised formats, with float32 activations and sums.
 //
 // A GGUF checkpoint stores each row of a matrix in blocks of 32 weights: Q4_1 as a 4-bit code q, a scale d
-// and an offset m per block (w = d * q + m), Q8_0 as an 8-bit code and a scale (w = d * q). Kept with their
-// scales widened to float32, that is 6 and 9 bits a weight. The engine used to dequantise them once into a
-// float32 matrix, 5.3x (Q4_1) the bytes, and a
+// and an offset m per block (w = d * q + m, 5 bits a weight), Q8_0 as an 8-bit code and a scale (w = d * q,
+// 8.5 bits). The engine used to dequantise them once into a float32 matrix, 6.4x (Q4_1) the bytes, and a
 // decode step streams every matrix once: this kernel streams the blocks instead and decodes each weight in
 // registers. d * q is exact in float32 (an 11-bit half times a code of at most 8 bits), so fma(d, q, m) is
 // the float32 weight the dequantised matrix held, bit for bit; only the order of the sums differs from a
 // float32 matmul's. The activations are not quantised (llama.cpp rounds them to 8 bits for its dot products):
-// the logits stay those of the float32 model.
+// the logits stay those of the float32 model. (Q4_0, w = d * (q - 8), runs as Q4_1 with m = -8d: exact too.)
 //
 // Layouts (repacked once at load, `engine.quant`): codes [N, K/32, 16] uint8 for Q4_1 (byte j holds weight
 // j in its low nibble, weight j + 16 in its high one, as in GGUF), [N, K/32, 32] int8 for Q8_0; scales and
-// offsets [N, K/32] float32 (GGUF's halves widened, exactly).
+// offsets [N, K/32] float16, as GGUF has them (each widened to float32 as its block is decoded, exactly).
 //
 // Work: threads split the output columns (rows of W); each task takes NR rows of W and up to MR rows of x at
 // a time, decodes a block of each W row once and multiplies it into all MR rows of x, holding NR x MR
@@ -107,6 +106,7 @@ inline void tile(const float* x, int64_t K, float* out, int64_t N, int64_t n0, D
     for (int i = 0; i < mr; ++i) out[i * N + n0 + r] = hsum(acc[r][i]);
 }
 
+// every row of x against W rows n0..n0+nr, MR rows of x at a time
 template <int nr, typename Decode>
 inline void rows_of(const float* x, int64_t M, int64_t K, float* out, int64_t N, int64_t n0, Decode decode) {
   int64_t m0 = 0;
@@ -125,13 +125,56 @@ inline void rows_of(const float* x, int64_t M, int64_t K, float* out, int64_t N,
   }
 }
 
-template <int nr, typename Decode>
-inline void rows(const float* x, int64_t M, int64_t K, float* out, int64_t N, int64_t n0, Decode decode,
-                 float* scratch) {
+// GGUF's half-precision scales (and offsets) as float32, `n` of them: each W row's are widened once per use
+// of the row, not once per block (a conversion per block per row cost the kernel 8% at batch 1)
+inline void widen(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// The two formats: a row's scales widened into `s` ([blocks] scales, then [blocks] offsets), and a block of
+// row n decoded with them.
+struct Q4_1 {
+  const uint8_t* codes;
+  const at::Half* d;
+  const at::Half* m;
+  int64_t blocks;
+  void scales(int64_t n, float* s) const {
+    widen(d + n * blocks, s, blocks);
+    widen(m + n * blocks, s + blocks, blocks);
+  }
+  void block(int64_t n, int64_t b, const float* s, v16& lo, v16& hi) const {
+    decode_q4_1(codes + (n * blocks + b) * 16, s[b], s[blocks + b], lo, hi);
+  }
+};
+
+struct Q8_0 {
+  const int8_t* codes;
+  const at::Half* d;
+  int64_t blocks;
+  void scales(int64_t n, float* s) const { widen(d + n * blocks, s, blocks); }
+  void block(int64_t n, int64_t b, const float* s, v16& lo, v16& hi) const {
+    decode_q8_0(codes + (n * blocks + b) * 32, s[b], lo, hi);
+  }
+};
+
+// out[:, n0:n0+nr] = x @ W[n0:n0+nr].T; `scales`: room for nr rows' widened scales, `scratch`: nr x K floats
+template <int nr, typename Format>
+inline void rows(const float* x, int64_t M, int64_t K, float* out, int64_t N, int64_t n0, const Format& fmt,
+                 float* scales, float* scratch) {
+  const int64_t blocks = K / kBlock;
+  for (int r = 0; r < nr; ++r) fmt.scales(n0 + r, scales + r * 2 * blocks);
+  const Format f = fmt;  // (by value: the lambda below must not reach it through a reference every block)
+  auto decode = [=](int64_t n, int64_t b, v16& lo, v16& hi) {
+    f.block(n, b, scales + (n - n0) * 2 * blocks, lo, hi);
+  };
   if (M > MR) {
     // NOTE: a wide batch walks these rows once per MR rows of x: decode them once into a float32 scratch
     // that stays in L1/L2 (nr x K floats), and let every pass read it there
-    const int64_t blocks = K / kBlock;
     for (int r = 0; r < nr; ++r)
       for (int64_t b = 0; b < blocks; ++b) {
         v16 lo, hi;
@@ -149,8 +192,8 @@ inline void rows(const float* x, int64_t M, int64_t K, float* out, int64_t N, in
   }
 }
 
-template <typename Decode>
-torch::Tensor linear(const torch::Tensor& x, int64_t N, Decode decode) {
+template <typename Format>
+torch::Tensor linear(const torch::Tensor& x, int64_t N, const Format& fmt) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.device().is_cpu(),
               "x must be a 2-D float32 CPU tensor");
   const torch::Tensor xc = x.contiguous();
@@ -161,10 +204,11 @@ torch::Tensor linear(const torch::Tensor& x, int64_t N, Decode decode) {
   float* op = out.data_ptr<float>();
   const int64_t pairs = N / NR;
   at::parallel_for(0, pairs + (N % NR), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scales(NR * 2 * (K / kBlock));
     std::vector<float> scratch(M > MR ? NR * K : 0);
     for (int64_t p = begin; p < end; ++p) {
-      if (p < pairs) rows<NR>(xp, M, K, op, N, p * NR, decode, scratch.data());
-      else rows<1>(xp, M, K, op, N, pairs * NR, decode, scratch.data());  // an odd last row
+      if (p < pairs) rows<NR>(xp, M, K, op, N, p * NR, fmt, scales.data(), scratch.data());
+      else rows<1>(xp, M, K, op, N, pairs * NR, fmt, scales.data(), scratch.data());  // an odd last row
     }
   });
   return out;
@@ -174,9 +218,9 @@ void check_weights(const torch::Tensor& codes, const torch::Tensor& scales, int6
   TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu(), "the blocks must be CPU tensors");
   TORCH_CHECK(codes.is_contiguous() && codes.dim() == 3 && codes.size(2) == bytes, "codes must be [N, K/32, ",
               bytes, "] and contiguous");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kHalf &&
                   scales.sizes() == codes.sizes().slice(0, 2),
-              "scales must be float32 [N, K/32] and contiguous");
+              "scales and offsets must be float16 [N, K/32] and contiguous");
   TORCH_CHECK(codes.size(1) * kBlock == K, "x's inner dimension (", K, ") does not match the weight's (",
               codes.size(1) * kBlock, ")");
 }
@@ -186,26 +230,14 @@ torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& codes, co
   check_weights(codes, scales, 16, x.size(-1));
   check_weights(codes, offsets, 16, x.size(-1));
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8, "Q4_1 codes must be uint8");
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* d = scales.data_ptr<float>();
-  const float* m = offsets.data_ptr<float>();
-  const int64_t blocks = codes.size(1);
-  return linear(x, codes.size(0), [=](int64_t n, int64_t b, v16& lo, v16& hi) {
-    const int64_t i = n * blocks + b;
-    decode_q4_1(c + i * 16, d[i], m[i], lo, hi);
-  });
+  return linear(x, codes.size(0), Q4_1{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                                      offsets.data_ptr<at::Half>(), codes.size(1)});
 }
 
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
   check_weights(codes, scales, 32, x.size(-1));
   TORCH_CHECK(codes.scalar_type() == torch::kInt8, "Q8_0 codes must be int8");
-  const int8_t* c = codes.data_ptr<int8_t>();
-  const float* d = scales.data_ptr<float>();
-  const int64_t blocks = codes.size(1);
-  return linear(x, codes.size(0), [=](int64_t n, int64_t b, v16& lo, v16& hi) {
-    const int64_t i = n * blocks + b;
-    decode_q8_0(c + i * 32, d[i], lo, hi);
-  });
+  return linear(x, codes.size(0), Q8_0{codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), codes.size(1)});
 }
 
 // The float32 matrix [N, K] the blocks encode (for wide batches, which a float32 matmul runs faster).
@@ -217,17 +249,17 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& scales
   check_weights(codes, scales, q4 ? 16 : 32, K);
   if (q4) check_weights(codes, *offsets, 16, K);
   const int64_t N = codes.size(0), blocks = codes.size(1);
-  torch::Tensor out = torch::empty({N, K}, scales.options());
+  torch::Tensor out = torch::empty({N, K}, scales.options().dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
-  const float* d = scales.data_ptr<float>();
-  const float* m = q4 ? offsets->data_ptr<float>() : nullptr;
+  const at::Half* d = scales.data_ptr<at::Half>();
+  const at::Half* m = q4 ? offsets->data_ptr<at::Half>() : nullptr;
   const uint8_t* c4 = q4 ? codes.data_ptr<uint8_t>() : nullptr;
   const int8_t* c8 = q4 ? nullptr : codes.data_ptr<int8_t>();
   at::parallel_for(0, N * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       v16 lo, hi;
-      if (q4) decode_q4_1(c4 + i * 16, d[i], m[i], lo, hi);
-      else decode_q8_0(c8 + i * 32, d[i], lo, hi);
+      if (q4) decode_q4_1(c4 + i * 16, static_cast<float>(d[i]), static_cast<float>(m[i]), lo, hi);
+      else decode_q8_0(c8 + i * 32, static_cast<float>(d[i]), lo, hi);
       __builtin_memcpy(o + i * kBlock, &lo, sizeof(lo));
       __builtin_memcpy(o + i * kBlock + 16, &hi, sizeof(hi));
     }

@@ -20,7 +20,7 @@ from engine.kernels import gguf_kernels
 from engine.quant import WIDE_ROWS, BlockQuantized, QuantizedMatmul
 from tests.engine.helpers import rel_err
 
-KINDS = ["Q4_1", "Q8_0"]
+KINDS = ["Q4_0", "Q4_1", "Q8_0"]
 
 
 def blocks(kind: str, rows: int, cols: int, seed: int = 0) -> tuple[BlockQuantized, torch.Tensor]:
@@ -55,7 +55,7 @@ def test_the_kernel_equals_a_float32_matmul_over_the_dequantised_weights(kind, r
     # 37 output rows: an odd last row of W; 96 = 3 blocks; x rows: under, at and over a tile and the wide cut
     b, dense = blocks(kind, 37, 96, seed=rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-    run = kernels.q8_0_linear if kind == "Q8_0" else kernels.q4_1_linear
+    run = kernels.q8_0_linear if b.kind == "Q8_0" else kernels.q4_1_linear
     got = run(x, *(t for t in (b.codes, b.scales, b.offsets) if t is not None))
     assert rel_err(got, x @ dense.T) < 1e-6
     bias, scale = torch.randn(37), torch.rand(96) + 0.5
@@ -72,9 +72,11 @@ def test_fused_matrices_keep_their_rows_and_mixed_types_are_refused():
     a, da = blocks("Q4_1", 8, 64, seed=1)
     b, db = blocks("Q4_1", 5, 64, seed=2)
     assert torch.equal(BlockQuantized.cat([a, b]).dequantize(), torch.cat([da, db]))
-    c, _ = blocks("Q8_0", 5, 64)
+    c, dc = blocks("Q4_0", 3, 64, seed=3)  # (kept in Q4_1's form: it fuses with Q4_1)
+    assert torch.equal(BlockQuantized.cat([a, c]).dequantize(), torch.cat([da, dc]))
+    e, _ = blocks("Q8_0", 5, 64)
     with pytest.raises(ValueError, match="different GGUF types"):
-        BlockQuantized.cat([a, c])
+        BlockQuantized.cat([a, e])
 
 
 def test_bad_inputs_are_refused_with_the_shape_named(kernels):
@@ -83,7 +85,7 @@ def test_bad_inputs_are_refused_with_the_shape_named(kernels):
         kernels.q4_1_linear(torch.randn(2, 96), b.codes, b.scales, b.offsets)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.q4_1_linear(torch.randn(2, 64, dtype=torch.float64), b.codes, b.scales, b.offsets)
-    with pytest.raises(ValueError, match="only Q4_1, Q8_0"):
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q8_0"):
         BlockQuantized.from_gguf("Q5_K", np.zeros(176, dtype=np.uint8), 1)
 
 
@@ -118,7 +120,7 @@ def test_the_portable_path_equals_the_avx512_one(tmp_path, kernels):
         b, dense = blocks(kind, 37, 96, seed=3)
         parts = [t for t in (b.codes, b.scales, b.offsets) if t is not None]
         assert torch.equal(portable.dequantize(*parts), dense)
-        name = "q8_0_linear" if kind == "Q8_0" else "q4_1_linear"
+        name = "q8_0_linear" if b.kind == "Q8_0" else "q4_1_linear"
         for rows in (1, 9, 33):
             x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
             assert rel_err(getattr(portable, name)(x, *parts), getattr(kernels, name)(x, *parts)) < 1e-6

@@ -107,11 +107,13 @@ def test_a_model_transformers_wrote_itself_loads_and_matches_it(tmp_path, family
     assert_logits_match(engine, hf, [(3 * i) % 250 for i in range(40)], max_tokens=8)
 
 
-def _write_gguf(hf, path, arch: str, rope_freqs=None) -> None:
+def _write_gguf(hf, path, arch: str, rope_freqs=None, quant: dict[str, str] | None = None) -> None:
     """`hf`'s weights as llama.cpp's converter writes them (float32; q and k rows permuted for its interleaved
-    RoPE in "llama" files only), with a byte-level BPE vocabulary; `rope_freqs`: Llama 3.1's factors."""
+    RoPE in "llama" files only), with a byte-level BPE vocabulary; `rope_freqs`: Llama 3.1's factors;
+    `quant`: GGUF type by tensor role ("embed_tokens", "q_proj", ...), quantised by `gguf`'s own quantiser."""
     import numpy as np
-    from gguf import GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     c = hf.config
@@ -156,7 +158,12 @@ def _write_gguf(hf, path, arch: str, rope_freqs=None) -> None:
             gguf_name = f"blk.{parts[1]}.{names[parts[-2]]}.{parts[-1]}"
         else:
             gguf_name = f"{names[parts[0]]}.{parts[-1]}"
-        w.add_tensor(gguf_name, np.ascontiguousarray(t.float().numpy()))
+        kind = (quant or {}).get(parts[-2] if parts[0] == "layers" else parts[0])
+        if kind is not None:
+            qtype = GGMLQuantizationType[kind]
+            w.add_tensor(gguf_name, quantize(t.float().numpy(), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(t.float().numpy()))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -183,6 +190,34 @@ def test_a_qwen_gguf_file_loads_and_matches_transformers_reading_the_same_file(t
                                               attn_implementation="eager").eval()
     engine = make_engine(str(tmp_path / "model.gguf"))
     assert engine.model_config.head_dim == hf_config.head_dim
+    assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_quantised_gguf_file_runs_from_its_blocks_and_matches_transformers_reading_it(tmp_path, family):
+    """Q4_0, Q4_1 and Q8_0 matrices (as llama.cpp's quantiser would write them) through the GGUF kernel:
+    transformers' GGUF reader dequantises the same file; the engine must keep the blocks (fused q/k/v across
+    Q4_0 and Q4_1, llama's permuted q/k rows, Qwen2's biases, Qwen3's q/k norms) and match it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(
+        family, vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128 if family == "qwen3" else 32,
+        max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False, bos_token_id=258,
+        eos_token_id=260)
+    torch.manual_seed(5)
+    source = AutoModelForCausalLM.from_config(hf_config).eval()
+    _randomise(source)
+    quant = {"embed_tokens": "Q8_0", "lm_head": "Q8_0", "q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q4_1",
+             "o_proj": "Q8_0", "gate_proj": "Q4_1", "up_proj": "Q4_0", "down_proj": "Q4_1"}
+    _write_gguf(source, tmp_path / "model.gguf", family, quant=quant)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    engine = make_engine(str(tmp_path / "model.gguf"))
+    if not engine.model.quantized:
+        pytest.skip("the GGUF kernel could not be built here: the engine dequantised the blocks at load")
+    kinds = {type(m).__name__ for layer in engine.model.layers for m in (layer.qkv, layer.o, layer.down)}
+    assert kinds == {"QuantizedMatmul"}
     assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
 
 
