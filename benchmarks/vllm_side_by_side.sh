@@ -19,10 +19,10 @@ set -euo pipefail
 out=${1:?OUT_DIR}; workload=${2:-benchmarks/workloads/long-prompts.jsonl}; concs=${3:-8}; n=${4:-32}
 engine=${ENGINE:-vllm}
 case $engine in vllm|builtin) ;; *) echo "ENGINE must be vllm or builtin, not $engine" >&2; exit 2 ;; esac
-quant=()
+quant=(); label=$engine  # (labels name the weights when QUANTIZATION picks them: builtin-none, ...)
 if [ -n "${QUANTIZATION:-}" ]; then
   [ "$engine" = builtin ] || { echo "QUANTIZATION is the built-in engine's (ENGINE=builtin)" >&2; exit 2; }
-  quant=(--quantization "$QUANTIZATION")
+  quant=(--quantization "$QUANTIZATION"); label=$engine-$QUANTIZATION
 fi
 read -ra concs <<<"$concs"
 mkdir -p "$out"
@@ -56,12 +56,14 @@ OMP_NUM_THREADS=2 VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api
   --dtype float32 --enforce-eager --port 8100 --host 127.0.0.1 >"$out/vllm-serve.log" 2>&1 &
 pid=$!; wait_up 8100; bench vllm-serve 8100; stop $pid
 
-echo "$(date -u +%FT%TZ) booting pdserve colocated ($engine engine)" >&2
-pdserve serve --engine "$engine" "${quant[@]}" --prefill-workers 0 --decode-workers 0 --colocated-workers 1 \
-  --worker-threads 2 --port 50061 --http-port 8200 --metrics-port off >"$out/pdserve-1c-$engine.log" 2>&1 &
-pid=$!; wait_up 8200; bench "pdserve-1c-$engine" 8200; stop $pid
+echo "$(date -u +%FT%TZ) booting pdserve colocated ($label engine)" >&2
+pdserve serve --engine "$engine" ${quant[@]+"${quant[@]}"} \
+  --prefill-workers 0 --decode-workers 0 --colocated-workers 1 \
+  --worker-threads 2 --port 50061 --http-port 8200 --metrics-port off >"$out/pdserve-1c-$label.log" 2>&1 &
+pid=$!; wait_up 8200; bench "pdserve-1c-$label" 8200; stop $pid
 
-echo "$(date -u +%FT%TZ) booting pdserve 1P+1D ($engine engine)" >&2
-pdserve serve --engine "$engine" "${quant[@]}" --prefill-workers 1 --decode-workers 1 --worker-threads 1 \
-  --port 50062 --http-port 8201 --metrics-port off >"$out/pdserve-1p1d-$engine.log" 2>&1 &
-pid=$!; wait_up 8201; bench "pdserve-1p1d-$engine" 8201; stop $pid
+echo "$(date -u +%FT%TZ) booting pdserve 1P+1D ($label engine)" >&2
+pdserve serve --engine "$engine" ${quant[@]+"${quant[@]}"} \
+  --prefill-workers 1 --decode-workers 1 --worker-threads 1 \
+  --port 50062 --http-port 8201 --metrics-port off >"$out/pdserve-1p1d-$label.log" 2>&1 &
+pid=$!; wait_up 8201; bench "pdserve-1p1d-$label" 8201; stop $pid

@@ -12,6 +12,7 @@ same way.
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import torch
@@ -19,6 +20,8 @@ import torch
 from engine.config import ModelConfig
 from engine.model_files import gguf_config, gguf_field
 from engine.quant import KINDS, BlockQuantized
+
+logger = logging.getLogger(__name__)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -77,9 +80,14 @@ def _read(path: str, keep_quantized: bool,
             continue  # (rope_freqs: the config's rope scaling, `gguf_config`)
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(short) if permuted else None
         if keep_quantized and t.tensor_type.name in KINDS and len(t.shape) == 2:
-            b = BlockQuantized.from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[1]))
-            blocks[name] = b if heads is None else b.map_rows(functools.partial(_unpermute, n_heads=heads))
-            continue
+            try:
+                b = BlockQuantized.from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[1]))
+            except ValueError as e:  # a Q4_0 scale whose -8d overflows float16: this one is dequantised
+                logger.info("%s stays float32: %s", t.name, e)
+            else:
+                unpermute = functools.partial(_unpermute, n_heads=heads)
+                blocks[name] = b if heads is None else b.map_rows(unpermute)
+                continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if heads is not None:
             w = _unpermute(w, heads)

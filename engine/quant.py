@@ -1,12 +1,12 @@
-"""Weights kept in GGUF's block-quantised formats (Q4_1, Q8_0) and the matmul that reads them.
+"""Weights kept in GGUF's block-quantised formats (Q4_0, Q4_1, Q8_0) and the matmul that reads them.
 
 A GGUF checkpoint (llama.cpp's format; the built-in SmolLM2 ships as one) stores each row of a matrix in
 blocks of 32 weights: Q4_1 as 4-bit codes with a half-precision scale and offset per block (w = d * q + m),
-Q8_0 as 8-bit codes with a scale (w = d * q). `--quantization gguf` keeps them as the file has them: a
-decode step, which streams every matrix once, reads 5 (Q4_1) or 8.5 (Q8_0) bits a weight instead of 32, and
-the CPU
-kernel (`engine/kernels/gguf_matmul.cpp`) decodes each weight in registers into exactly the float32 value
-the dequantised checkpoint holds (d * q is exact in float32). Activations and sums stay float32, so the
+Q8_0 as 8-bit codes with a scale (w = d * q), Q4_0 as 4-bit codes with a scale (w = d * (q - 8), kept here
+as Q4_1). `--quantization gguf` keeps them as the file has them: a decode step, which streams every matrix
+once, reads 5 (Q4_1) or 8.5 (Q8_0) bits a weight instead of 32, and the CPU kernel
+(`engine/kernels/gguf_matmul.cpp`) decodes each weight in registers into exactly the float32 value the
+dequantised checkpoint holds (d * q is exact in float32). Activations and sums stay float32, so the
 model is the float32 one: its logits match transformers' on the dequantised weights to float32 rounding.
 Batches wider than `WIDE_ROWS` (prefill chunks) dequantise the matrix for the call and take a float32 matmul,
 which is faster there than decoding per row of x.
@@ -102,7 +102,8 @@ class BlockQuantized:
         return _decode(self.codes[ids], self.scales[ids], None if self.offsets is None else self.offsets[ids])
 
     def dequantize(self, kernels: ModuleType | None = None) -> torch.Tensor:
-        """The float32 [N, K] matrix, bit for bit the one the `gguf` package dequantises."""
+        """The float32 [N, K] matrix the `gguf` package dequantises: bit for bit, but for Q4_0's zeros
+        (+0.0 here, -0.0 there; equal in value)."""
         if kernels is not None:
             out: torch.Tensor = kernels.dequantize(self.codes, self.scales, self.offsets)
             return out

@@ -42,8 +42,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    # NOTE: the paged-attention kernel is built here, once, before any test starts a worker, so that no
-    # test's timing includes the build (a build a chaos test kills is recovered: engine.kernels._build_lock)
-    from engine.kernels import cpu_kernels
+    # NOTE: the kernels are built here, once, before any test starts a worker, so that no test's timing
+    # includes a build (a build a chaos test kills is recovered: engine.kernels._build_lock). Where the
+    # paged-attention one builds, the GGUF one must too: a silent fallback would test float32 matrices
+    # under the name of GGUF blocks
+    from engine.kernels import cpu_kernels, gguf_kernels
 
-    cpu_kernels()
+    if cpu_kernels() is not None and gguf_kernels() is None:
+        raise pytest.UsageError("the paged-attention kernel built, the GGUF one did not: see the log above")

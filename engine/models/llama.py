@@ -199,8 +199,11 @@ class LlamaForCausalLM:
         for layer in self.layers:
             matrices += [layer.qkv, layer.o, layer.gate, layer.up, layer.down]
             norms += layer.norm_bytes
-        embed = self.embed.nbytes if isinstance(self.embed, BlockQuantized) else self.embed.numel() * \
-            self.embed.element_size()
+        if isinstance(self.embed, BlockQuantized):
+            # a tied lm_head kept in blocks reads the embedding's own blocks: held once
+            embed = 0 if getattr(self.lm_head, "weight", None) is self.embed else self.embed.nbytes
+        else:
+            embed = self.embed.numel() * self.embed.element_size()
         return embed + norms + sum(m.nbytes for m in matrices)
 
     @torch.inference_mode()

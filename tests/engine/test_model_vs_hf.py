@@ -221,6 +221,31 @@ def test_a_quantised_gguf_file_runs_from_its_blocks_and_matches_transformers_rea
     assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
 
 
+def test_a_q4_0_matrix_whose_offset_overflows_half_precision_is_read_dequantised(tmp_path):
+    """Q4_0 is kept as Q4_1 with m = -8d; a block whose -8d does not fit a float16 (|w| past 65,504) cannot
+    be, so that one matrix is dequantised at load, as gguf gives it, and the others stay in their blocks."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.gguf_loader import load_gguf_quantized
+
+    hf_config = AutoConfig.for_model(
+        "llama", vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, bos_token_id=258,
+        eos_token_id=260)
+    source = AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        source.model.layers[0].mlp.up_proj.weight[3, 5] = 70_000.0
+    _write_gguf(source, tmp_path / "model.gguf", "llama", quant={"up_proj": "Q4_0"})
+    _, state, blocks = load_gguf_quantized(str(tmp_path / "model.gguf"))
+    assert "model.layers.1.mlp.up_proj.weight" in blocks
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert name not in blocks
+    raw = next(t for t in GGUFReader(str(tmp_path / "model.gguf")).tensors if t.name == "blk.0.ffn_up.weight")
+    assert torch.equal(state[name], torch.from_numpy(dequantize(raw.data, GGMLQuantizationType.Q4_0)))
+
+
 def test_a_llama_3_1_gguf_file_with_rope_freqs_matches_transformers_on_the_hf_directory(tmp_path):
     """llama.cpp writes Llama 3.1's RoPE scaling as a `rope_freqs` tensor (a divisor per frequency), not as
     config: read, it gives the logits transformers computes from the HF directory's llama3 rope_scaling."""

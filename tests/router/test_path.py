@@ -196,6 +196,23 @@ def test_a_decode_worker_is_priced_at_the_batch_it_runs_now_not_the_batches_it_r
     assert cost.measured().decode_step_s["d0"] > cost.measured().decode_step_s["d1"]
 
 
+def test_a_new_decode_worker_is_priced_as_its_measured_peers_at_its_own_batch_and_takes_traffic():
+    cost = CostModel(BYTES_PER_TOKEN)
+    cost.observe_prefill("p0", 4000, 1.0)
+    for _ in range(20):  # d0 steps in 20 ms alone, 30 ms at five: faster than the 50 ms prior
+        cost.observe_step("d0", 0.02, 1)
+        cost.observe_step("d0", 0.03, 5)
+    assert cost.step_time("d1", 1) == pytest.approx(cost.step_time("d0", 1))  # d1 has not stepped yet
+    assert cost.step_time("d1") == pytest.approx(cost.step_time("d0"))
+    tokens = prompt(40)
+    index = PrefixIndex()
+    index.apply("d0", hash_blocks(tokens, BS)[:2], [])  # d0 even holds the prompt's prefix
+    busy, new = decode("d0", num_running=3), decode("d1")
+    best = choose(tokens, [prefill("p0")], [busy, new], cost, index, local=False)[0]
+    assert best.decode == "d1"  # idle beats a busy worker that steps as fast: scaling out takes load
+    assert CostModel(BYTES_PER_TOKEN).step_time("d1", 1) == CostPriors().decode_step_s  # nothing measured yet
+
+
 # -- the router on each path, over fake workers ---------------------------------------------------------
 
 
