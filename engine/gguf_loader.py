@@ -85,8 +85,9 @@ def _read(path: str, keep_quantized: bool,
             except ValueError as e:  # a Q4_0 scale whose -8d overflows float16: this one is dequantised
                 logger.info("%s stays float32: %s", t.name, e)
             else:
-                unpermute = functools.partial(_unpermute, n_heads=heads)
-                blocks[name] = b if heads is None else b.map_rows(unpermute)
+                if heads is not None:
+                    b = b.map_rows(functools.partial(_unpermute, n_heads=heads))
+                blocks[name] = b
                 continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if heads is not None:
