@@ -154,6 +154,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the runs and the ratios here")
     ap.add_argument("--gguf", action="store_true",
                     help="also run the working tree over SmolLM2's GGUF blocks (--quantization gguf)")
+    ap.add_argument("--ref-gguf", action="store_true",
+                    help="run the ref over SmolLM2's GGUF file as well (a ref with the GGUF kernel keeps its "
+                         "blocks: two kernels side by side, e.g. --ref HEAD --ref-gguf --gguf)")
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
@@ -174,7 +177,8 @@ def main() -> None:
                      "now_gguf": "of the working tree over the GGUF blocks"}[name]
             progress(f"[{i}/{len(order)}] the engine {which}")
             t0 = time.perf_counter()
-            got = one_process(trees[name], gguf_params if name == "now_gguf" else params, args.timeout_s)
+            gguf_run = name == "now_gguf" or (name == "then" and args.ref_gguf)
+            got = one_process(trees[name], gguf_params if gguf_run else params, args.timeout_s)
             runs[name].append(got)
             progress("  " + ", ".join(f"{k} {v:.1f} ms/step" for k, v in got.items())
                      + f" ({time.perf_counter() - t0:.0f} s)")

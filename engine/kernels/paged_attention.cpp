@@ -5,9 +5,10 @@
 // Work is split into tasks of (sequence, partition of its context), and long contexts are cut into partitions
 // so a batch of one still keeps every thread busy. Within a task, the head sizes compiled in (64, 128) take
 // the vectorised passes (`score_rows`, `value_rows`): per KV head, a few query rows at a time walk the
-// partition's keys, then its values, with their query and accumulator vectors held in registers; the first
-// walk prefetches every head's rows, so the others read them from L2. Other head sizes take a scalar pass in
-// which every query row and head shares one walk over each key and value row. A partition leaves its
+// partition's keys, then its values, with their query and accumulator vectors held in registers, reading
+// every head's rows from L2: they were asked for while the thread's previous task computed (`Ahead`). Other
+// head sizes take a scalar pass in which every query row and head shares one walk over each key and value
+// row. A partition leaves its
 // unnormalised output with its running max and sum; a second pass merges a sequence's partitions (the
 // split-K rescaling of flash-decoding). Accumulation is in float32 whatever the dtypes; the cache may be
 // narrower than the queries (a bfloat16 or float16 cache under a float32 model: half the bytes to read; an
@@ -41,6 +42,25 @@ inline void prefetch_block(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
+
+// The next task's keys and values, asked for a few cache lines at a time all through this task's work.
+// NOTE: a thread keeps only so many misses in flight (its fill buffers), so prefetching a task's blocks as
+// its first walk over the keys reaches them leaves the walks after it (the other heads, the values) with no
+// memory traffic under them; spread over every key and value row this task visits, the next task's rows
+// arrive while this one computes. Measured (SmolLM2's shapes, 30 layers, float32 cache, 2 threads,
+// 2026-12-07): batch 32 at 1,024 tokens 88.3 -> 82.7 ms, batch 8 21.2 -> 19.1 ms.
+struct Ahead {
+  const char* const* spans = nullptr;  // the next task's blocks, K then V of each, `span_bytes` apiece
+  int64_t num_spans = 0, span_bytes = 0, per_step = 0;  // per_step: lines asked for per row visited
+  int64_t i = 0, off = 0;  // the next line to ask for: span i, byte off
+
+  void step() {
+    for (int64_t n = 0; n < per_step && i < num_spans; ++n) {
+      __builtin_prefetch(spans[i] + off, 0, 2);
+      if ((off += 64) >= span_bytes) off = 0, ++i;
+    }
+  }
+};
 
 // D > 0: the head size, known at compile time (the loops unroll into registers); 0: `n` at run time
 template <int D>
@@ -190,7 +210,7 @@ inline void by_rows(int nrows, F&& f) {
 template <int D, typename C, int R>
 void score_rows(const Row* rows, const float* qbuf, float* scores, int64_t len, int64_t t0, int64_t t1,
                 const C* kp, int64_t ks0, int64_t ks1, int64_t h_off, const int32_t* table, int64_t block_size,
-                const C* vp, int64_t vs0, int64_t prefetch_bytes) {
+                const C* vp, int64_t vs0, int64_t prefetch_bytes, Ahead& ahead) {
   constexpr int NC = D / 16;
   v16 qv[R][NC];
   for (int rr = 0; rr < R; ++rr)
@@ -211,6 +231,7 @@ void score_rows(const Row* rows, const float* qbuf, float* scores, int64_t len, 
           continue;
         }
         const C* key = block + (j0 + j) * ks1;
+        ahead.step();
         v16 kv[NC];
         for (int c = 0; c < NC; ++c) kv[c] = load16(key + 16 * c);
         for (int rr = 0; rr < R; ++rr) {
@@ -236,7 +257,8 @@ void score_rows(const Row* rows, const float* qbuf, float* scores, int64_t len, 
 // acc[row.r * D ...] = R query rows' probabilities over the task's values of KV head h
 template <int D, typename C, int R>
 void value_rows(const Row* rows, const float* scores, float* acc, int64_t len, int64_t t0, int64_t t1,
-                const C* vp, int64_t vs0, int64_t vs1, int64_t h_off, const int32_t* table, int64_t block_size) {
+                const C* vp, int64_t vs0, int64_t vs1, int64_t h_off, const int32_t* table,
+                int64_t block_size, Ahead& ahead) {
   constexpr int NC = D / 16;
   v16 av[R][NC];
   for (int rr = 0; rr < R; ++rr)
@@ -248,6 +270,7 @@ void value_rows(const Row* rows, const float* scores, float* acc, int64_t len, i
     const int64_t n = std::min(block_size, t1 - b0);
     for (int64_t off = 0; off < n; ++off) {
       const C* value = block + off * vs1;
+      ahead.step();
       v16 vv[NC];
       for (int c = 0; c < NC; ++c) vv[c] = load16(value + 16 * c);
       for (int rr = 0; rr < R; ++rr) {
@@ -299,11 +322,32 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
   // per task and query row: d accumulated values, the max and the sum (read where a sequence has partitions)
   std::vector<float> partial(static_cast<size_t>(num_tasks * max_rows * (d + 2)));
 
+  constexpr bool kVector = D > 0 && D % 16 == 0;
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf, scores, acc, maxes, sums, row(d);
     std::vector<Row> hrows;
+    std::vector<const char*> spans;
     for (int64_t ti = begin; ti < end; ++ti) {
       const Task& t = tasks[ti];
+      // (the vectorised walks ask for the next task's rows as they go; this thread's first task asks for
+      // its own as its first walk reaches them, as the scalar walks do for every task)
+      const bool first = ti == begin || !kVector;
+      Ahead ahead;
+      if (kVector && ti + 1 < end) {
+        const Task& next = tasks[ti + 1];
+        const int32_t* next_table = tables + next.seq * table_width;
+        spans.clear();
+        for (int64_t b = next.t0; b < next.t1; b += block_size) {
+          spans.push_back(reinterpret_cast<const char*>(kp + next_table[b / block_size] * ks0));
+          spans.push_back(reinterpret_cast<const char*>(vp + next_table[b / block_size] * vs0));
+        }
+        ahead.spans = spans.data();
+        ahead.num_spans = static_cast<int64_t>(spans.size());
+        ahead.span_bytes = block_bytes;
+        const int64_t lines = ahead.num_spans * ((block_bytes + 63) / 64);
+        const int64_t visits = 2 * kv_heads * (t.t1 - t.t0);  // each KV head walks its keys, then values
+        ahead.per_step = (lines + visits - 1) / std::max<int64_t>(1, visits);
+      }
       const int64_t q_start = info[3 * t.seq], q_len = info[3 * t.seq + 1], ctx = info[3 * t.seq + 2];
       const int64_t rows = q_len * num_heads, len = t.t1 - t.t0;
       const int32_t* table = tables + t.seq * table_width;
@@ -320,9 +364,9 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
           float* dst = qbuf.data() + (i * num_heads + hd) * d;
           for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<float>(src[x]) * static_cast<float>(scale);
         }
-      for (int64_t b = t.t0; b < std::min(t.t1, t.t0 + 2 * block_size); b += block_size)
-        prefetch_block(kp + table[b / block_size] * ks0, block_bytes);
-      constexpr bool kVector = D > 0 && D % 16 == 0;
+      if (first)
+        for (int64_t b = t.t0; b < std::min(t.t1, t.t0 + 2 * block_size); b += block_size)
+          prefetch_block(kp + table[b / block_size] * ks0, block_bytes);
       if constexpr (kVector) {
         // the query rows of each KV head, a few at a time (row r = i * num_heads + head)
         for (int64_t h = 0; h < kv_heads; ++h) {
@@ -334,7 +378,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
             by_rows<D>(nr, [&](auto n) {
               score_rows<D, C, decltype(n)::value>(hrows.data() + k, qbuf.data(), scores.data(), len, t.t0, t.t1,
                                                    kp, ks0, ks1, h * ks2, table, block_size, vp, vs0,
-                                                   h == 0 && k == 0 ? block_bytes : 0);
+                                                   first && h == 0 && k == 0 ? block_bytes : 0, ahead);
             });
           }
         }
@@ -382,7 +426,7 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
             const int nr = static_cast<int>(std::min<size_t>(kRowsAtOnce<D>, hrows.size() - k));
             by_rows<D>(nr, [&](auto n) {
               value_rows<D, C, decltype(n)::value>(hrows.data() + k, scores.data(), acc.data(), len, t.t0, t.t1,
-                                                   vp, vs0, vs1, h * vs2, table, block_size);
+                                                   vp, vs0, vs1, h * vs2, table, block_size, ahead);
             });
           }
         }

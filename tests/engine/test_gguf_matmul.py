@@ -55,10 +55,11 @@ def test_both_decoders_give_the_gguf_packages_float32_weights_in_value(kind, col
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, WIDE_ROWS, WIDE_ROWS + 1, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, WIDE_ROWS, WIDE_ROWS + 1, 100])
 @pytest.mark.parametrize("cols", COLS)
 def test_the_kernel_equals_a_float32_matmul_over_the_dequantised_weights(kind, rows, cols, kernels):
-    # 37 output rows: an odd last row of W; x rows: under, at and over a tile and the wide cut
+    # 37 output rows: W rows left over after every tile (8, 6, 4, 2); x rows: each tile shape (1-2, 3-4, 5-8,
+    # wider), under, at and over a tile and the wide cut
     b, dense = blocks(kind, 37, cols, seed=rows)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     run = kernels.q8_0_linear if b.kind == "Q8_0" else kernels.q4_1_linear
@@ -127,6 +128,6 @@ def test_the_portable_path_equals_the_avx512_one(tmp_path, kernels):
         parts = [t for t in (b.codes, b.scales, b.offsets) if t is not None]
         assert torch.equal(portable.dequantize(*parts), dense)
         name = "q8_0_linear" if b.kind == "Q8_0" else "q4_1_linear"
-        for rows in (1, 9, 33):
+        for rows in (1, 3, 5, 9, 33):
             x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
             assert rel_err(getattr(portable, name)(x, *parts), getattr(kernels, name)(x, *parts)) < 1e-6
