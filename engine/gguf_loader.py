@@ -19,7 +19,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model_files import gguf_config, gguf_field
-from engine.quant import KINDS, BlockQuantized
+from engine.quant import KINDS, BlockQuantized, Q4_0Overflow
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ def _read(path: str, keep_quantized: bool,
         if keep_quantized and t.tensor_type.name in KINDS and len(t.shape) == 2:
             try:
                 b = BlockQuantized.from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[1]))
-            except ValueError as e:  # a Q4_0 scale whose -8d overflows float16: this one is dequantised
-                logger.info("%s stays float32: %s", t.name, e)
+            except Q4_0Overflow as e:  # this one matrix is dequantised: 6.4x its bytes, said aloud
+                logger.warning("%s is read as float32, not in its blocks: %s", t.name, e)
             else:
                 if heads is not None:
                     b = b.map_rows(functools.partial(_unpermute, n_heads=heads))

@@ -24,13 +24,17 @@ import torch.nn.functional as F
 
 BLOCK = 32
 # GGUF type name -> (bytes of one block, bytes of its codes). Q4_0 (w = d * (q - 8)) is kept as Q4_1 with
-# m = -8d (exact in float16 short of overflow, which is refused): d * q and -8d are exact in float32 and so is
-# their sum, so the kernel's fma gives gguf's value.
+# m = -8d (exact in float16 short of overflow: `Q4_0Overflow`, and the loader dequantises that matrix):
+# d * q and -8d are exact in float32 and so is their sum, so the kernel's fma gives gguf's value.
 KINDS = {"Q4_0": (18, 16), "Q4_1": (20, 16), "Q8_0": (34, 32)}
 # NOTE: at most this many rows of x take the kernel; wider ones dequantise and run a float32 matmul. Measured
 # on SmolLM2's shapes, 2 threads (2026-12-07): the kernel was 1.2-1.4x oneDNN's float32 matmul at 16 rows,
 # 0.6x at 128 and 0.2-0.4x at 512, where dequantising for the call and F.linear matched oneDNN within 10%.
 WIDE_ROWS = 32
+
+
+class Q4_0Overflow(ValueError):
+    """A Q4_0 block whose -8d does not fit a float16: that matrix cannot be kept as Q4_1 (`from_gguf`)."""
 
 
 @dataclass
@@ -62,7 +66,7 @@ class BlockQuantized:
             d = half(0)
             m = d * -8
             if not torch.isfinite(m).all():
-                raise ValueError("a Q4_0 scale too large to keep as Q4_1 (-8d overflows float16)")
+                raise Q4_0Overflow("a Q4_0 scale too large to keep as Q4_1 (-8d overflows float16)")
             return cls("Q4_1", torch.from_numpy(codes), d, m)
         return cls(kind, torch.from_numpy(codes), half(0), half(2))
 

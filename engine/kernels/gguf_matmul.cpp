@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -194,7 +195,8 @@ inline void rows(const float* x, int64_t M, int64_t K, float* out, int64_t N, in
 template <int NR, int MR, typename Format>
 void run(const float* x, int64_t M, int64_t K, float* out, int64_t N, const Format& fmt) {
   const int64_t groups = N / NR, tasks = groups + N % NR;
-  at::parallel_for(0, tasks, 16, [&](int64_t begin, int64_t end) {
+  // (at least 32 rows of W a thread's chunk, whatever NR: ATen runs a call serially below one grain)
+  at::parallel_for(0, tasks, std::max<int64_t>(1, 32 / NR), [&](int64_t begin, int64_t end) {
     std::vector<float> scales(NR * 2 * (K / kBlock));
     std::vector<float> scratch(M > MR ? NR * K : 0);
     for (int64_t t = begin; t < end; ++t) {

@@ -6,10 +6,10 @@
 // so a batch of one still keeps every thread busy. Within a task, the head sizes compiled in (64, 128) take
 // the vectorised passes (`score_rows`, `value_rows`): per KV head, a few query rows at a time walk the
 // partition's keys, then its values, with their query and accumulator vectors held in registers, reading
-// every head's rows from L2: they were asked for while the thread's previous task computed (`Ahead`). Other
-// head sizes take a scalar pass in which every query row and head shares one walk over each key and value
-// row. A partition leaves its
-// unnormalised output with its running max and sum; a second pass merges a sequence's partitions (the
+// every head's rows from L2: they were asked for while the thread's previous task computed (`Ahead`; a
+// thread's first task asks for its own during its first walk). Other head sizes take a scalar pass in which
+// every query row and head shares one walk over each key and value row. A partition leaves its unnormalised
+// output with its running max and sum; a second pass merges a sequence's partitions (the
 // split-K rescaling of flash-decoding). Accumulation is in float32 whatever the dtypes; the cache may be
 // narrower than the queries (a bfloat16 or float16 cache under a float32 model: half the bytes to read; an
 // 8-bit float one, e4m3 or e5m2: a quarter).
@@ -47,8 +47,9 @@ inline void prefetch_block(const void* start, int64_t bytes) {
 // NOTE: a thread keeps only so many misses in flight (its fill buffers), so prefetching a task's blocks as
 // its first walk over the keys reaches them leaves the walks after it (the other heads, the values) with no
 // memory traffic under them; spread over every key and value row this task visits, the next task's rows
-// arrive while this one computes. Measured (SmolLM2's shapes, 30 layers, float32 cache, 2 threads,
-// 2026-12-07): batch 32 at 1,024 tokens 88.3 -> 82.7 ms, batch 8 21.2 -> 19.1 ms.
+// arrive while this one computes. Measured (`benchmarks.kernel_compare`, SmolLM2's shapes, 30 layers, 2
+// threads, 2026-12-07): batch 32 at 1,024 tokens 94.6 -> 88.9 ms with a float32 cache, 65.9 -> 54.9 with a
+// bfloat16 one; batch 8 23.2 -> 21.5 and 16.1 -> 13.4 ms.
 struct Ahead {
   const char* const* spans = nullptr;  // the next task's blocks, K then V of each, `span_bytes` apiece
   int64_t num_spans = 0, span_bytes = 0, per_step = 0;  // per_step: lines asked for per row visited

@@ -55,7 +55,7 @@ def test_both_decoders_give_the_gguf_packages_float32_weights_in_value(kind, col
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, WIDE_ROWS, WIDE_ROWS + 1, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 17, WIDE_ROWS, WIDE_ROWS + 1, 100])
 @pytest.mark.parametrize("cols", COLS)
 def test_the_kernel_equals_a_float32_matmul_over_the_dequantised_weights(kind, rows, cols, kernels):
     # 37 output rows: W rows left over after every tile (8, 6, 4, 2); x rows: each tile shape (1-2, 3-4, 5-8,
