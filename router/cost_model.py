@@ -11,9 +11,9 @@ duration. A decode worker's step time is fitted as a line against the sequences 
 worker's step is priced as longer before it has run at that batch), and its own prefill rate is what a
 prompt chunk adds to the step it rides: that step's time less the fitted decode step at its batch (a step
 that carried prompt tokens is never fitted as a decode step). Until a worker or a pair has been measured,
-a stand-in counts: for a prefill rate or a decode step, the mean of the workers measured so far (the
-step at the same batch); else a prior (a pair on one node is assumed faster than one across nodes). Once
-measured, only measurements count.
+a stand-in counts: for a prefill rate, the mean of the workers measured so far; for a decode step, the
+fastest measured worker's at the same batch (a new worker must be chosen to be measured); else a prior (a
+pair on one node is assumed faster than one across nodes). Once measured, only measurements count.
 
 These feed `placement.choose_path`: the (prefill, decode) pair with the lowest estimated time until the
 request decodes, or the decode worker itself when prefilling there is cheaper and the stall it puts on
@@ -178,18 +178,20 @@ class CostModel:
 
     def step_time(self, worker_id: str, num_running: int | None = None) -> float:
         """The worker's decode step with `num_running` sequences (None: at the batches it ran lately); until
-        it has run one, the mean of the measured workers' steps at that batch, and only before any, the prior.
+        it has run one, the fastest measured worker's step at that batch, and only before any, the prior.
 
-        NOTE: a constant stand-in for a new worker locks it out once the measured ones step faster than the
-        constant (a 50 ms prior against a worker measured at 25 ms at batch 4: the new worker is never
-        chosen, so never measured); pricing it as its peers at its own batch lets placement use it at once."""
+        NOTE: a new decode worker is priced optimistically, or it may never be measured: a constant prior
+        (50 ms against workers measured at 25 ms) or its peers' mean (a slow busy worker in it) left a worker
+        just scaled out dearer than a measured fast one, so never chosen. As the fastest peer, it ties with
+        that one and takes its share (`placement.choose_path` breaks near ties by load); its first steps
+        then price it. (Prefill rates are not optimistic: that would pull prompts off cached prefixes.)"""
         fit = self._step.get(worker_id)
         if fit is not None:
             return fit.mean if num_running is None else fit.predict(num_running)
         fits = list(self._step.values())
         if not fits:
             return self.priors.decode_step_s
-        return sum(f.mean if num_running is None else f.predict(num_running) for f in fits) / len(fits)
+        return min(f.mean if num_running is None else f.predict(num_running) for f in fits)
 
     def measured(self) -> Measured:
         """What has been measured so far (priors and stand-ins left out): the metrics export this.
