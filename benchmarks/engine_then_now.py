@@ -3,6 +3,7 @@
     python -m benchmarks.engine_then_now                          # against bb212ee, issue #29's "today"
     python -m benchmarks.engine_then_now --ref HEAD~3 --cases 8x16,8x1024 --rounds 2 --json OUT.json
     python -m benchmarks.engine_then_now --gguf    # also the working tree over SmolLM2's GGUF blocks
+    python -m benchmarks.engine_then_now --ref HEAD --ref-gguf --gguf   # two GGUF kernels, side by side
 
 Issue #29 asks decode at batch 8 and 32 at 1,024 tokens of context to be at least 2x "today's", the engine
 of the day it was filed (bb212ee, 2026-12-02 21:39). Its figure (280 ms at batch 8) was taken in a slow

@@ -192,9 +192,9 @@ def choose_path(hashes: Sequence[BlockHash], num_prompt_tokens: int, block_size:
         return ranked
     # NOTE: estimates this close are within what the measurements scatter (a first prefill's warm-up, a
     # neighbour on a shared core): among them the option whose worker caches more of the prompt goes first,
-    # so prefix affinity is not lost to noise (and the cache is not duplicated on a second worker)
-    # (then the decode worker running fewer sequences: a worker just scaled out, priced by its peers'
-    # measurements until it has its own, ties with them and must take its share of the load to be measured)
+    # so prefix affinity is not lost to noise (and the cache is not duplicated on a second worker), then the
+    # decode worker running fewer sequences (a worker just scaled out, priced as its fastest peer until it
+    # has steps of its own, ties with that one and must take a share of the load to be measured)
     running = {d.worker_id: d.num_running for d in decodes}
     near = [c for c in ranked if c.estimate_s <= ranked[0].estimate_s * (1 + NEAR_TIE)]
     return sorted(near, key=lambda c: (-c.prefill_cached_blocks, running[c.decode])) + ranked[len(near):]
