@@ -36,16 +36,18 @@ def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_at(ref: str, workdir: Path) -> ModuleType:
+def build_at(ref: str, workdir: Path, source: Path = SOURCES[0]) -> ModuleType:
+    """The kernel `source` (a file of this repository) as it was at `ref`, built in `workdir`."""
     from torch.utils import cpp_extension
 
-    rel = SOURCES[0].relative_to(Path(__file__).resolve().parents[1])
-    src = workdir / f"paged_attention_{ref}.cpp"
+    rel = source.relative_to(Path(__file__).resolve().parents[1])
+    src = workdir / f"{source.stem}_{ref}.cpp"
     src.write_text(subprocess.run(["git", "show", f"{ref}:{rel}"], check=True, capture_output=True,
-                                  text=True, cwd=SOURCES[0].parent).stdout)
-    progress(f"building the kernel at {ref} (about a minute)")
-    return cpp_extension.load(name=f"pa_{ref.replace('~', '_').replace('^', '_')}", sources=[str(src)],
-                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(workdir))
+                                  text=True, cwd=source.parent).stdout)
+    progress(f"building {source.name} at {ref} (about a minute)")
+    name = f"{source.stem}_{ref.replace('~', '_').replace('^', '_')}"
+    return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                              build_directory=str(workdir))
 
 
 def step_ms(kernel: ModuleType, inputs: tuple, reps: int = 5) -> tuple[float, torch.Tensor]:

@@ -16,7 +16,8 @@
 // Work: threads split the output columns (rows of W); each task takes NR rows of W and up to MR rows of x at
 // a time, decodes a block of each W row once and multiplies it into all MR rows of x, holding NR x MR
 // accumulator vectors in registers. Batches wider than MR walk the same W rows again (from cache). NR and MR
-// depend on the batch (`linear`).
+// depend on the batch (`linear`); at 29-32 rows a task broadcasts each weight into all of them instead
+// (`run_wide`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -206,6 +207,76 @@ void run(const float* x, int64_t M, int64_t K, float* out, int64_t N, const Form
   });
 }
 
+// -- batches of 29-32 rows: broadcasts, no sums across lanes --------------------------------------------
+// NOTE: the tiles above end every (x row, W row) dot product in a sum across a vector's lanes, a dozen
+// instructions an output, as many as the product itself at SmolLM2's K = 576. Here x is transposed once a
+// call (xt: [K, 32], two vectors of x rows a column, zeros past M) and each weight of kWideNR W rows is
+// broadcast and multiplied into all 32 rows at once: kWideNR x 2 accumulator vectors hold the task's whole
+// output across K, and each 32-column block of its W rows is decoded into a buffer that stays in L1.
+// Measured against the 4 x 4 tiles (`benchmarks.gguf_compare`, SmolLM2's matrices, 2 threads, 2026-12-07;
+// benchmarks/results/gguf-wide-2026-12-07): a step's matmuls at 32 rows 1.17x (lm_head 1.45x, the layers'
+// 1.10-1.14x); behind at 28 rows and below in ad hoc runs (32 rows a tile whatever M: at 20, 40% padding).
+constexpr int kWideNR = 12, kWideRows = 32;
+
+// out[:, n0:n0+nr] = x @ W[n0:n0+nr].T (nr <= kWideNR) from xt; `scales`: room for kWideNR rows' widened
+// scales
+template <typename Format>
+void wide_rows(const float* xt, int64_t M, int64_t K, float* out, int64_t N, int64_t n0, int nr,
+               const Format& fmt, float* scales) {
+  const int64_t blocks = K / kBlock;
+  // (rows past nr, in the last task only, repeat row nr - 1: computed, never stored)
+  int64_t row[kWideNR];
+  for (int r = 0; r < kWideNR; ++r) {
+    row[r] = n0 + std::min(r, nr - 1);
+    fmt.scales(row[r], scales + r * 2 * blocks);
+  }
+  v16 acc[kWideNR][2];
+  for (int r = 0; r < kWideNR; ++r) acc[r][0] = acc[r][1] = v16{};
+  alignas(64) float wb[2][kWideNR][16];  // block b of every row: its columns 0-15, then 16-31
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int r = 0; r < kWideNR; ++r) {
+      v16 lo, hi;
+      fmt.block(row[r], b, scales + r * 2 * blocks, lo, hi);
+      __builtin_memcpy(wb[0][r], &lo, sizeof(lo));
+      __builtin_memcpy(wb[1][r], &hi, sizeof(hi));
+    }
+    for (int half = 0; half < 2; ++half) {
+      const float* xc = xt + (b * kBlock + 16 * half) * kWideRows;
+      for (int k = 0; k < 16; ++k) {
+        const v16 x0 = load16(xc + k * kWideRows), x1 = load16(xc + k * kWideRows + 16);
+        for (int r = 0; r < kWideNR; ++r) {
+          const v16 w = v16{} + wb[half][r][k];
+          acc[r][0] += w * x0;
+          acc[r][1] += w * x1;
+        }
+      }
+    }
+  }
+  // out[i, n0 + r] = acc[r][i / 16] lane i % 16, through memory (a lane at a time from registers was slower)
+  float t[kWideNR][kWideRows];
+  for (int r = 0; r < kWideNR; ++r) __builtin_memcpy(t[r], acc[r], sizeof(t[r]));
+  for (int64_t i = 0; i < M; ++i)
+    for (int r = 0; r < nr; ++r) out[i * N + n0 + r] = t[r][i];
+}
+
+// out = x @ W.T for M <= kWideRows, kWideNR rows of W a task
+template <typename Format>
+void run_wide(const float* x, int64_t M, int64_t K, float* out, int64_t N, const Format& fmt) {
+  std::vector<float> xt(K * kWideRows, 0.f);
+  at::parallel_for(0, K, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = begin; k < end; ++k) xt[k * kWideRows + m] = x[m * K + k];
+  });
+  const int64_t tasks = (N + kWideNR - 1) / kWideNR;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scales(kWideNR * 2 * (K / kBlock));
+    for (int64_t t = begin; t < end; ++t) {
+      const int nr = static_cast<int>(std::min<int64_t>(kWideNR, N - t * kWideNR));
+      wide_rows(xt.data(), M, K, out, N, t * kWideNR, nr, fmt, scales.data());
+    }
+  });
+}
+
 template <typename Format>
 torch::Tensor linear(const torch::Tensor& x, int64_t N, const Format& fmt) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.device().is_cpu(),
@@ -220,11 +291,12 @@ torch::Tensor linear(const torch::Tensor& x, int64_t N, const Format& fmt) {
   // 2 W rows x 8 x rows for every batch): 1-2 rows are bound by decoding, and 8 W rows a tile keep 8 decodes
   // in flight (12.0 -> 7.7 ms at one row, 10.5 -> 6.8 at two); 3-4 rows, 6 W rows (12.5 -> 10.8 at four);
   // 5-8 rows, 2 W rows x 8 x rows (6 W rows: 15.1 -> 18.6 ms at eight); wider, 4 x 4 tiles over W rows
-  // decoded into scratch (48.6 -> 45.3 ms at 32)
+  // decoded into scratch (48.6 -> 45.3 ms at 32), and at 29-32 rows the broadcasts (`run_wide`)
   if (M <= 2) run<8, 2>(xp, M, K, op, N, fmt);
   else if (M <= 4) run<6, 4>(xp, M, K, op, N, fmt);
   else if (M <= 8) run<2, 8>(xp, M, K, op, N, fmt);
-  else run<4, 4>(xp, M, K, op, N, fmt);
+  else if (M <= 28 || M > kWideRows) run<4, 4>(xp, M, K, op, N, fmt);
+  else run_wide(xp, M, K, op, N, fmt);
   return out;
 }
 
