@@ -286,7 +286,11 @@ def sample_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[li
     plain = [i for i, c in enumerate(chunks) if not c.draft_token_ids]
     tokens: list[list[int]] = [[] for _ in chunks]
     if plain:  # batched, as without speculation
-        sampled = sample(logits[[offsets[i] for i in plain]], [chunks[i].request.params for i in plain],
+        first_rows = [offsets[i] for i in plain]
+        # (every row, in order, as in a step with no drafts: the logits themselves, not a gathered copy of
+        # them, 1.4 ms at 32 rows of SmolLM2's 49,152)
+        picked = logits if first_rows == list(range(logits.shape[0])) else logits[first_rows]
+        sampled = sample(picked, [chunks[i].request.params for i in plain],
                          [chunks[i].request.num_tokens for i in plain])
         for i, t in zip(plain, sampled):
             tokens[i] = [t]

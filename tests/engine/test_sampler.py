@@ -82,3 +82,11 @@ def test_migrated_request_continues_with_the_same_tokens(llm, other_worker, k):
     batched = llm.generate([prompt + full[:k], "other text", "x" * 40], SamplingParams(max_tokens=total - k,
                                                                                           **params))
     assert batched[0].token_ids == full[k:]
+
+
+def test_greedy_takes_the_first_of_tied_maxima_in_every_row():
+    logits = torch.zeros(3, VOCAB)
+    logits[0, [5, 9]] = 2.0
+    logits[1, [VOCAB - 1, 0]] = 1.0
+    logits[2, 300:] = -1.0  # the maximum (0) everywhere below 300
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 3, [0, 0, 0]) == [5, 0, 0]
