@@ -3,12 +3,12 @@
     python -m benchmarks.gguf_compare                        # HEAD's kernel against the working tree's
     python -m benchmarks.gguf_compare --ref 865fe1d --rows 8,28,32 --json
 
-Both kernels are built here (about 30 s each) and called in turn on the same inputs: a decode step's matmuls
-at SmolLM2-135M's shapes and GGUF types (the fused qkv, o, gate and up, down: Q4_1; the tied lm_head: Q8_0),
-each of the 30 layers its own blocks so every step streams its weights from memory, as a real step does, at
-each batch width (`--rows`, rows of x). Per shape and width, each kernel's median of 9 passes, the two
-kernels alternating (ABBA); the outputs must agree (to 1e-5 of the largest). The ratio is the result: the milliseconds move
-with the machine.
+Both kernels are built here (about 30 s each; the ref must have `engine/kernels/gguf_matmul.cpp`) and called
+in turn on the same inputs: a decode step's matmuls at SmolLM2-135M's shapes and GGUF types (the fused qkv, o,
+gate and up, down: Q4_1; the tied lm_head: Q8_0), each of the 30 layers its own blocks so every step streams
+its weights from memory, as a real step does, at each batch width (`--rows`, rows of x). Per shape and width,
+the kernels alternate (ABBA) and each keeps the better of its two medians of 9 passes; the outputs must agree
+(to 1e-5 of the largest). The ratio is the result: the milliseconds move with the machine.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,7 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         widths = [int(r) for r in args.rows.split(",")]
     except ValueError:
-        parser.error(f"--rows: {args.rows!r} is not a comma-separated list of integers, e.g. 1,8,32")
+        widths = []
+    if not widths or min(widths) < 1 or len(set(widths)) != len(widths):
+        parser.error(f"--rows: {args.rows!r} is not a comma-separated list of distinct positive integers, "
+                     "e.g. 1,8,32")
     torch.set_num_threads(args.threads)
     after = gguf_kernels()
     if after is None:
@@ -78,7 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     blocks = {name: weights(*shape) for name, shape in SHAPES.items()}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        before = build_at(args.ref, Path(tmp), GGUF_SOURCES[0])
+        try:
+            before = build_at(args.ref, Path(tmp), GGUF_SOURCES[0])
+        except subprocess.CalledProcessError as e:
+            parser.error(f"--ref {args.ref}: no engine/kernels/gguf_matmul.cpp there ({e.stderr.strip()})")
         for m in widths:
             for name, (_, k, kind, _) in SHAPES.items():
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,13 +42,13 @@ def build_at(ref: str, workdir: Path, source: Path = SOURCES[0]) -> ModuleType:
     from torch.utils import cpp_extension
 
     rel = source.relative_to(Path(__file__).resolve().parents[1])
-    src = workdir / f"{source.stem}_{ref}.cpp"
+    safe = re.sub(r"\W", "_", ref)  # a module name and a file name (refs may hold ~ ^ / . -)
+    src = workdir / f"{source.stem}_{safe}.cpp"
     src.write_text(subprocess.run(["git", "show", f"{ref}:{rel}"], check=True, capture_output=True,
                                   text=True, cwd=source.parent).stdout)
-    progress(f"building {source.name} at {ref} (about a minute)")
-    name = f"{source.stem}_{ref.replace('~', '_').replace('^', '_')}"
-    return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                              build_directory=str(workdir))
+    progress(f"building {source.name} at {ref} (a minute or less)")
+    return cpp_extension.load(name=f"{source.stem}_{safe}", sources=[str(src)], extra_cflags=CFLAGS,
+                              extra_ldflags=["-fopenmp"], build_directory=str(workdir))
 
 
 def step_ms(kernel: ModuleType, inputs: tuple, reps: int = 5) -> tuple[float, torch.Tensor]:

@@ -208,14 +208,15 @@ void run(const float* x, int64_t M, int64_t K, float* out, int64_t N, const Form
 }
 
 // -- batches of 29-32 rows: broadcasts, no sums across lanes --------------------------------------------
-// NOTE: the tiles above end every (x row, W row) dot product in a sum across a vector's lanes, a dozen
-// instructions an output, as many as the product itself at SmolLM2's K = 576. Here x is transposed once a
+// NOTE: the tiles above end every (x row, W row) dot product in a sum across a vector's lanes, 8-10
+// instructions an output beside its 36 FMAs at SmolLM2's K = 576. Here x is transposed once a
 // call (xt: [K, 32], two vectors of x rows a column, zeros past M) and each weight of kWideNR W rows is
 // broadcast and multiplied into all 32 rows at once: kWideNR x 2 accumulator vectors hold the task's whole
 // output across K, and each 32-column block of its W rows is decoded into a buffer that stays in L1.
 // Measured against the 4 x 4 tiles (`benchmarks.gguf_compare`, SmolLM2's matrices, 2 threads, 2026-12-07;
 // benchmarks/results/gguf-wide-2026-12-07): a step's matmuls at 32 rows 1.17x (lm_head 1.45x, the layers'
 // 1.10-1.14x); behind at 28 rows and below in ad hoc runs (32 rows a tile whatever M: at 20, 40% padding).
+// Only where AVX-512 gives it 32 vector registers: its 24 accumulators would spill from AVX2's 16.
 constexpr int kWideNR = 12, kWideRows = 32;
 
 // out[:, n0:n0+nr] = x @ W[n0:n0+nr].T (nr <= kWideNR) from xt; `scales`: room for kWideNR rows' widened
@@ -295,8 +296,10 @@ torch::Tensor linear(const torch::Tensor& x, int64_t N, const Format& fmt) {
   if (M <= 2) run<8, 2>(xp, M, K, op, N, fmt);
   else if (M <= 4) run<6, 4>(xp, M, K, op, N, fmt);
   else if (M <= 8) run<2, 8>(xp, M, K, op, N, fmt);
-  else if (M <= 28 || M > kWideRows) run<4, 4>(xp, M, K, op, N, fmt);
-  else run_wide(xp, M, K, op, N, fmt);
+#if defined(__AVX512F__)
+  else if (M > 28 && M <= kWideRows) run_wide(xp, M, K, op, N, fmt);
+#endif
+  else run<4, 4>(xp, M, K, op, N, fmt);
   return out;
 }
 

@@ -61,7 +61,7 @@ def test_both_decoders_give_the_gguf_packages_float32_weights_in_value(kind, col
 def test_the_kernel_equals_a_matmul_over_the_dequantised_weights(kind, rows, cols, kernels):
     # 37 output rows: W rows left over after every tile (8, 6, 4, 2, and the broadcasts' 12); x rows: each
     # tile shape (1-2, 3-4, 5-8, wider, 29-32), under, at and over a tile and the wide cut
-    # (the reference is float64: a float32 matmul's own rounding, 5e-7 here, is as large as the kernel's)
+    # (the reference is float64: a float32 matmul's own rounding, up to 7e-7 here, is the kernel's size)
     b, dense = blocks(kind, 37, cols, seed=rows)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     run = kernels.q8_0_linear if b.kind == "Q8_0" else kernels.q4_1_linear
@@ -75,6 +75,20 @@ def test_the_kernel_equals_a_matmul_over_the_dequantised_weights(kind, rows, col
     assert rel_err(m.add(x, other).double(), ref + other) < 1e-6
     assert rel_err(m.mul(x, other).double(), ref * other) < 1e-6
     assert rel_err(m.silu(x).double(), F.silu(ref)) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("out_rows", [12, 46, 59])
+def test_the_broadcast_path_stores_every_output_row_once(kind, out_rows, kernels):
+    # 29-32 rows of x take the broadcasts, 12 W rows a task: 46 and 59 leave a last task of 10 and 11 rows
+    # (rows past them repeat the last and must not be stored), 12 none
+    b, dense = blocks(kind, out_rows, 96, seed=out_rows)
+    run = kernels.q8_0_linear if b.kind == "Q8_0" else kernels.q4_1_linear
+    for rows in (29, 31):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        got = run(x, *(t for t in (b.codes, b.scales, b.offsets) if t is not None))
+        assert got.shape == (rows, out_rows)
+        assert rel_err(got.double(), x.double() @ dense.double().T) < 1e-6
 
 
 def test_fused_matrices_keep_their_rows_and_mixed_types_are_refused():
@@ -122,14 +136,15 @@ def test_the_portable_path_equals_the_avx512_one(tmp_path, kernels):
 
     from engine.kernels import CFLAGS, GGUF_SOURCES
 
+    # (-O1: the test reads values, not speed, and builds in 60% of -O3's time)
     portable = cpp_extension.load(name="pdserve_gguf_portable", sources=[str(s) for s in GGUF_SOURCES],
-                                  extra_cflags=[*CFLAGS, "-mno-avx512f"], extra_ldflags=["-fopenmp"],
+                                  extra_cflags=[*CFLAGS, "-mno-avx512f", "-O1"], extra_ldflags=["-fopenmp"],
                                   build_directory=str(tmp_path), verbose=False)
     for kind, cols in ((kind, cols) for kind in KINDS for cols in COLS):
         b, dense = blocks(kind, 37, cols, seed=3)
         parts = [t for t in (b.codes, b.scales, b.offsets) if t is not None]
         assert torch.equal(portable.dequantize(*parts), dense)
         name = "q8_0_linear" if b.kind == "Q8_0" else "q4_1_linear"
-        for rows in (1, 3, 5, 9, 30, 33):
+        for rows in (1, 3, 5, 9, 33):
             x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
             assert rel_err(getattr(portable, name)(x, *parts), getattr(kernels, name)(x, *parts)) < 1e-6
