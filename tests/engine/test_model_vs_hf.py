@@ -219,6 +219,9 @@ def test_a_quantised_gguf_file_runs_from_its_blocks_and_matches_transformers_rea
     kinds = {type(m).__name__ for layer in engine.model.layers for m in (layer.qkv, layer.o, layer.down)}
     assert kinds == {"QuantizedMatmul"}
     assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
+    # a 30-token prompt: its prefill's matmuls take the kernel's 29-32-row path (the 40-token one, the
+    # dequantised matrices)
+    assert_logits_match(engine, hf, [(7 * i + 3) % 250 for i in range(30)], max_tokens=2)
 
 
 def test_a_q4_0_matrix_whose_offset_overflows_half_precision_is_read_dequantised(tmp_path):
