@@ -4,7 +4,7 @@
 NOTE: built on first use with torch's own extension builder (g++ and ninja), not at `pip install` time: pip
 builds a package inside an isolated environment, and a `torch` requirement there resolves to whatever torch
 the index offers (a multi-GB CUDA build here), not the one the kernel will be loaded into. Built against the
-running torch, the kernel's ABI always matches. The build takes about a minute on 2 cores, once per
+running torch, the kernel's ABI always matches. The build takes about 30 s on 2 cores, once per
 machine, torch version and source (the GGUF module about 20 s; cached under `$PDSERVE_KERNEL_CACHE`, default
 `~/.cache/pdserve/kernels`). Concurrent builds and loads wait on an OS file lock of ours (`_build_lock`), which
 the kernel drops when its holder dies. Where it cannot be built (no compiler,

@@ -67,14 +67,17 @@ def test_the_kernel_equals_a_matmul_over_the_dequantised_weights(kind, rows, col
     run = kernels.q8_0_linear if b.kind == "Q8_0" else kernels.q4_1_linear
     got = run(x, *(t for t in (b.codes, b.scales, b.offsets) if t is not None))
     assert rel_err(got.double(), x.double() @ dense.double().T) < 1e-6
-    bias, scale = torch.randn(37), torch.rand(cols) + 0.5
+    # (seeded: over 300 unseeded draws of the scale, bias and `other` at 32 x 544 the error reached 1.7e-6,
+    # float32 sums of 544 terms; 3e-6 holds that with room, a wrong weight or row is off by far more)
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    bias, scale = torch.randn(37, generator=g), torch.rand(cols, generator=g) + 0.5
     m = QuantizedMatmul(b, kernels, bias, scale)
     ref = F.linear((x * scale).double(), dense.double(), bias.double())
-    assert rel_err(m(x).double(), ref) < 1e-6
-    other = torch.randn(rows, 37)
-    assert rel_err(m.add(x, other).double(), ref + other) < 1e-6
-    assert rel_err(m.mul(x, other).double(), ref * other) < 1e-6
-    assert rel_err(m.silu(x).double(), F.silu(ref)) < 1e-6
+    assert rel_err(m(x).double(), ref) < 3e-6
+    other = torch.randn(rows, 37, generator=g)
+    assert rel_err(m.add(x, other).double(), ref + other) < 3e-6
+    assert rel_err(m.mul(x, other).double(), ref * other) < 3e-6
+    assert rel_err(m.silu(x).double(), F.silu(ref)) < 3e-6
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

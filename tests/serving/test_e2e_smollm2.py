@@ -36,9 +36,11 @@ def references() -> dict[str, list[list[int]]]:
     return {"plain": [o.token_ids for o in plain], "spec": [o.token_ids for o in spec]}
 
 
+# (2P2D in the soak run: the default suite's 2P2D chaos test, tests/chaos, checks its streams' tokens against
+# the engine's on this layout)
 @pytest.mark.parametrize("layout", [
     {"prefill_workers": 1, "decode_workers": 1},
-    {"prefill_workers": 2, "decode_workers": 2},
+    pytest.param({"prefill_workers": 2, "decode_workers": 2}, marks=pytest.mark.soak),
     {"prefill_workers": 1, "decode_workers": 1, "local_prefill": True},
     {"prefill_workers": 0, "decode_workers": 0, "colocated_workers": 2},
 ], ids=["1P1D", "2P2D", "1P1D-local-prefill", "colocated"])
@@ -64,9 +66,11 @@ def test_greedy_output_equals_the_engine_token_for_token(ray_cluster, references
         assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
 
 
+# (colocated in the soak run: the default suite speculates in the decode pool here and in one engine in
+# tests/engine/test_spec_decode.py)
 @pytest.mark.parametrize("layout", [
     {"prefill_workers": 1, "decode_workers": 1},
-    {"prefill_workers": 0, "decode_workers": 0, "colocated_workers": 1},
+    pytest.param({"prefill_workers": 0, "decode_workers": 0, "colocated_workers": 1}, marks=pytest.mark.soak),
 ], ids=["1P1D", "colocated"])
 def test_speculative_greedy_output_equals_the_engine_and_is_counted(ray_cluster, references, layout):
     want = references["spec"]
