@@ -101,6 +101,11 @@ class BlockQuantized:
                               None if offsets[0] is None
                               else torch.cat([o for o in offsets if o is not None]))
 
+    def row_range(self, start: int, stop: int) -> BlockQuantized:
+        """Rows `start:stop`, as views of these blocks (no copy)."""
+        return BlockQuantized(self.kind, self.codes[start:stop], self.scales[start:stop],
+                              None if self.offsets is None else self.offsets[start:stop])
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows `ids` (an embedding lookup), decoded with torch ops."""
         return _decode(self.codes[ids], self.scales[ids], None if self.offsets is None else self.offsets[ids])
@@ -138,12 +143,33 @@ class QuantizedMatmul:
         self._parts = [t for t in (weight.codes, weight.scales, weight.offsets) if t is not None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.in_scale is not None:
-            x = x * self.in_scale
+        return self._matmul(x if self.in_scale is None else x * self.in_scale)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > WIDE_ROWS:
             return F.linear(x, self.weight.dequantize(self.kernels), self.bias)
         out: torch.Tensor = self._run(x, *self._parts)
         return out if self.bias is None else out.add_(self.bias)
+
+    def normed(self, h: torch.Tensor, eps: float) -> torch.Tensor:
+        """`self(unit_rms(h, eps))` (`engine.models.llama.unit_rms`): the norm and `in_scale` in one pass."""
+        if self.in_scale is None:
+            raise ValueError("normed() needs the norm's weight as in_scale")
+        return self._matmul(self.kernels.rms_scale(h, self.in_scale, eps))
+
+    def split(self, rows: int) -> tuple[QuantizedMatmul, QuantizedMatmul]:
+        """Rows `:rows` and `rows:` as two matmuls over views of these blocks, with the same `in_scale`."""
+        if self.bias is not None:
+            raise ValueError("split() is for matrices without a bias")
+        return (QuantizedMatmul(self.weight.row_range(0, rows), self.kernels, None, self.in_scale),
+                QuantizedMatmul(self.weight.row_range(rows, self.weight.shape[0]), self.kernels, None,
+                                self.in_scale))
+
+    def swiglu(self, h: torch.Tensor, eps: float) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) with x = `unit_rms(h, eps)`, for this [gate; up] matrix (the
+        gated MLP's two inputs fused, one norm and one matmul a step instead of two of each)."""
+        out: torch.Tensor = self.kernels.silu_mul(self.normed(h, eps))
+        return out
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(self(x))

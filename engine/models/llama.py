@@ -5,8 +5,9 @@ RoPE (`ModelConfig.qkv_bias`, `qk_norm`).
 
 Weights are plain tensors (matrices wrapped in `Matmul`), not nn.Modules: a decode step at batch 1 is
 bound by reading the weights, and per-module Python overhead is what separates a naive implementation from
-the bandwidth roofline. Q/K/V and gate/up are fused into one matmul each, and q and k are rotated in one
-call with position tables looked up once per forward.
+the bandwidth roofline. Q/K/V are fused into one matmul (and gate/up, over GGUF blocks: float32 ones run as
+two, each with its pointwise op fused in by oneDNN), and q and k are rotated in one call with position tables
+looked up once per forward.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Matmul:
             return _packed(torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], ""))
         return F.linear(x, self.weight, self.bias)
 
+    def normed(self, h: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(unit_rms(h, eps)): the norm's weight is in this matrix's columns"""
+        return self(unit_rms(h, eps))
+
     # NOTE: the fused variants below run the pointwise op as a oneDNN post-op of the matmul, so a decode
     # step pays one op (and one pass over the output) instead of two; elsewhere they are the plain ops.
 
@@ -105,6 +110,8 @@ class LayerWeights:
     o: Matmul | QuantizedMatmul  # [hidden, q_size]
     gate: Matmul | QuantizedMatmul  # [intermediate, hidden], MLP norm folded in
     up: Matmul | QuantizedMatmul  # [intermediate, hidden], MLP norm folded in
+    # quantised gate and up of one GGUF type: both in one matrix, [gate; up] (`gate` and `up` are views of it)
+    gate_up: QuantizedMatmul | None
     down: Matmul | QuantizedMatmul  # [hidden, intermediate]
     norm_bytes: int  # the norm weights' bytes (what an unfused model reads; counted for the roofline)
     # [num_heads + num_kv_heads, head_dim]: q_norm's weight for each q head, then k_norm's (Qwen3)
@@ -176,12 +183,25 @@ class LlamaForCausalLM:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn_norm, mlp_norm = p + "input_layernorm.weight", p + "post_attention_layernorm.weight"
+            gate_name, up_name = p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"
+            gate: Matmul | QuantizedMatmul
+            up: Matmul | QuantizedMatmul
+            gate_up: QuantizedMatmul | None = None
+            both = [quantized.get(n) for n in (gate_name, up_name)]
+            if kernels is not None and all(both) and len({b.kind for b in both if b}) == 1:
+                fused = t(gate_name, up_name, norm=mlp_norm)  # (a QuantizedMatmul: one GGUF type)
+                assert isinstance(fused, QuantizedMatmul)
+                gate_up = fused
+                gate, up = fused.split(config.intermediate_size)
+            else:
+                gate, up = t(gate_name, norm=mlp_norm), t(up_name, norm=mlp_norm)
             self.layers.append(LayerWeights(
                 qkv=t(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"), norm=attn_norm,
                       bias=config.qkv_bias),
                 o=t(p + "self_attn.o_proj.weight", bias=config.o_bias),
-                gate=t(p + "mlp.gate_proj.weight", norm=mlp_norm),
-                up=t(p + "mlp.up_proj.weight", norm=mlp_norm),
+                gate=gate,
+                up=up,
+                gate_up=gate_up,
                 down=t(p + "mlp.down_proj.weight"),
                 norm_bytes=(2 * config.hidden_size + config.qk_norm * 2 * config.head_dim)
                 * torch.empty((), dtype=dtype).element_size(),
@@ -220,7 +240,7 @@ class LlamaForCausalLM:
         T = h.shape[0]
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(unit_rms(h, eps))  # [T, q_size + 2 * kv_size]
+            qkv = layer.qkv.normed(h, eps)  # [T, q_size + 2 * kv_size]
             qk = qkv[:, :c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
             if layer.qk_norm is not None:
                 qk = head_rms(qk, layer.qk_norm, c.rms_norm_eps)
@@ -232,9 +252,13 @@ class LlamaForCausalLM:
             if layer_hook is not None:
                 layer_hook(i)
             h = layer.o.add(attn.reshape(T, c.q_size), h)
-            x = unit_rms(h, eps)
-            h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)
-        return self.lm_head(unit_rms(h[logits_indices], eps)).float()
+            if layer.gate_up is not None:
+                gated = layer.gate_up.swiglu(h, eps)
+            else:
+                x = unit_rms(h, eps)
+                gated = layer.up.mul(x, layer.gate.silu(x))
+            h = layer.down.add(gated, h)
+        return self.lm_head.normed(h[logits_indices], eps).float()
 
 
 def unit_rms(h: torch.Tensor, eps: float) -> torch.Tensor:

@@ -80,6 +80,46 @@ def test_the_kernel_equals_a_matmul_over_the_dequantised_weights(kind, rows, col
     assert rel_err(m.silu(x).double(), F.silu(ref)) < 3e-6
 
 
+@pytest.mark.parametrize("rows", [1, 8, 33, 300])
+def test_the_fused_norm_and_gated_product_equal_their_torch_ops(rows, kernels):
+    from engine.models.llama import unit_rms
+
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 2 * 576, generator=g)[:, ::2] * 5  # (strided: the op takes any layout)
+    scale, eps = torch.rand(576, generator=g) + 0.5, 1e-5 * 576
+    ref = unit_rms(h.double(), eps) * scale.double()
+    assert rel_err(kernels.rms_scale(h, scale, eps).double(), ref) < 1e-6
+    gate_up = torch.randn(rows, 2 * 96, generator=g) * 6  # (silu's tails: large negative and positive)
+    gate, up = gate_up.double()[:, :96], gate_up.double()[:, 96:]
+    assert rel_err(kernels.silu_mul(gate_up).double(), F.silu(gate) * up) < 1e-6
+    with pytest.raises(RuntimeError, match="scale must be"):
+        kernels.rms_scale(h, scale[:100], eps)
+    with pytest.raises(RuntimeError, match="even width"):
+        kernels.silu_mul(gate_up[:, 1:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 8, 32, 40])
+def test_a_fused_gate_up_split_and_normed_equals_the_two_matrices(kind, rows, kernels):
+    """The gated MLP of a quantised model: [gate; up] in one matrix, `swiglu` normed and gated in one
+    call each, equal to the two matrices run on their own (views of the same blocks, `split`)."""
+    from engine.models.llama import unit_rms
+
+    b, dense = blocks(kind, 2 * 40, 96, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    scale, eps = torch.rand(96, generator=g) + 0.5, 1e-5 * 96
+    fused = QuantizedMatmul(b, kernels, None, scale)
+    gate, up = fused.split(40)
+    assert gate.weight.codes.data_ptr() == b.codes.data_ptr()  # views, not copies
+    h = torch.randn(rows, 96, generator=g)
+    x = unit_rms(h, eps)
+    assert rel_err(fused.normed(h, eps).double(), fused(x).double()) < 1e-6
+    xs = (x * scale).double()
+    want = F.silu(xs @ dense[:40].double().T) * (xs @ dense[40:].double().T)
+    assert rel_err(fused.swiglu(h, eps).double(), want) < 3e-6
+    assert rel_err(up.mul(x, gate.silu(x)).double(), want) < 3e-6
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("out_rows", [12, 46, 59])
 def test_the_broadcast_path_stores_every_output_row_once(kind, out_rows, kernels):
