@@ -57,7 +57,7 @@ def _name(prefix: str = "pdserve_kernels", sources: list[Path] = SOURCES) -> str
     for src in sources:
         h.update(src.read_bytes())
         # NOTE: the path too: torch writes the absolute source path into the build's ninja file, so two
-        # checkouts on one machine sharing a build directory rebuild it (~25-60 s) each time they alternate
+        # checkouts on one machine sharing a build directory rebuild it (~20-30 s) each time they alternate
         h.update(str(src.resolve()).encode())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -88,13 +88,14 @@ def _build_lock(build: Path) -> Iterator[None]:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The paged-attention module (`paged_attention`), or None where it cannot be had (reason logged)."""
-    return _load("pdserve_kernels", SOURCES, "the paged-attention kernel", "about a minute",
+    return _load("pdserve_kernels", SOURCES, "the paged-attention kernel", "about 30 s",
                  "attention gathers blocks and calls SDPA")
 
 
 @functools.cache
 def gguf_kernels() -> ModuleType | None:
-    """The GGUF module (`q4_1_linear`, `q8_0_linear`, `dequantize`), or None where it cannot be had."""
+    """The GGUF module (`q4_1_linear`, `q8_0_linear`, `dequantize`, and the elementwise `rms_scale` and
+    `silu_mul` around a quantised layer), or None where it cannot be had."""
     return _load("pdserve_gguf", GGUF_SOURCES, "the GGUF matmul kernel", "about 20 s",
                  "GGUF weights are dequantised to float32 at load")
 

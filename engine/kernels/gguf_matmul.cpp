@@ -1,4 +1,5 @@
-// x @ W.T for a weight W kept in llama.cpp's block-quantised formats, with float32 activations and sums.
+// x @ W.T for a weight W kept in llama.cpp's block-quantised formats, with float32 activations and sums;
+// and the elementwise passes around such a matrix in a layer (its input's RMSNorm, the gated product).
 //
 // A GGUF checkpoint stores each row of a matrix in blocks of 32 weights: Q4_1 as a 4-bit code q, a scale d
 // and an offset m per block (w = d * q + m, 5 bits a weight), Q8_0 as an 8-bit code and a scale (w = d * q,
@@ -399,9 +400,10 @@ at::Tensor rms_scale(const at::Tensor& x, const at::Tensor& scale, double eps) {
 
 // [M, 2I] (gate then up, one fused matmul's output) -> [M, I]: silu(gate) * up.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 &&
-                  gate_up.is_contiguous() && gate_up.device().is_cpu(),
-              "gate_up must be a contiguous 2-D float32 CPU tensor of even width");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.device().is_cpu() &&
+                  gate_up.is_contiguous(),
+              "gate_up must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up's width (", gate_up.size(1), ") must be even: [gate; up]");
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   at::Tensor out = at::empty({M, I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
@@ -412,7 +414,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* u = g + I;
       float* o = op + r * I;
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      // (exp's argument held under float32's overflow: -ffast-math divides by a reciprocal estimate, and
+      // 1 / inf made NaN where silu is -0; past 80 the quotient is below 1e-33 either way)
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(std::min(-g[i], 80.f))) * u[i];
     }
   });
   return out;

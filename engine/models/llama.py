@@ -187,12 +187,12 @@ class LlamaForCausalLM:
             gate: Matmul | QuantizedMatmul
             up: Matmul | QuantizedMatmul
             gate_up: QuantizedMatmul | None = None
-            both = [quantized.get(n) for n in (gate_name, up_name)]
-            if kernels is not None and all(both) and len({b.kind for b in both if b}) == 1:
+            gate_q, up_q = quantized.get(gate_name), quantized.get(up_name)
+            if kernels is not None and gate_q is not None and up_q is not None and gate_q.kind == up_q.kind:
                 fused = t(gate_name, up_name, norm=mlp_norm)  # (a QuantizedMatmul: one GGUF type)
                 assert isinstance(fused, QuantizedMatmul)
                 gate_up = fused
-                gate, up = fused.split(config.intermediate_size)
+                gate, up = fused.split(gate_q.shape[0])
             else:
                 gate, up = t(gate_name, norm=mlp_norm), t(up_name, norm=mlp_norm)
             self.layers.append(LayerWeights(

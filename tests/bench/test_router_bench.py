@@ -18,6 +18,9 @@ def test_router_bench_relays_every_token_and_measures_the_router_process():
     assert r["itl_ms"]["p50"] >= 5.0 * 0.9  # no faster than the fake decode step
 
 
+# (soak: the default suite serves through two router replicas on one port in
+# tests/serving/test_router_replicas.py; this is the bench's own two-process mode)
+@pytest.mark.soak
 def test_two_router_processes_share_the_port_and_relay_every_token():
     r = run(concurrency=8, tokens=20, step_s=0.005, duration_s=2.0, routers=2)
     assert r["routers"] == 2 and r["requests"] >= 8

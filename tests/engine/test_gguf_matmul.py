@@ -85,17 +85,25 @@ def test_the_fused_norm_and_gated_product_equal_their_torch_ops(rows, kernels):
     from engine.models.llama import unit_rms
 
     g = torch.Generator().manual_seed(rows)
-    h = torch.randn(rows, 2 * 576, generator=g)[:, ::2] * 5  # (strided: the op takes any layout)
+    h = (torch.randn(rows, 2 * 576, generator=g) * 5)[:, ::2]  # (strided: the op takes any layout)
+    assert not h.is_contiguous()
     scale, eps = torch.rand(576, generator=g) + 0.5, 1e-5 * 576
     ref = unit_rms(h.double(), eps) * scale.double()
     assert rel_err(kernels.rms_scale(h, scale, eps).double(), ref) < 1e-6
-    gate_up = torch.randn(rows, 2 * 96, generator=g) * 6  # (silu's tails: large negative and positive)
+    gate_up = torch.randn(rows, 2 * 96, generator=g) * 6
     gate, up = gate_up.double()[:, :96], gate_up.double()[:, 96:]
     assert rel_err(kernels.silu_mul(gate_up).double(), F.silu(gate) * up) < 1e-6
+    # silu's tails, element by element: exp(-g) overflows float32 below g = -88.7 (it once made NaN there)
+    tails = torch.tensor([-1e4, -100.0, -89.0, -88.0, -50.0, -1.0, 0.0, 1.0, 50.0, 89.0, 100.0, 1e4] * 2)
+    got = kernels.silu_mul(torch.cat([tails, torch.full_like(tails, 3.0)]).repeat(rows, 1))
+    want = (F.silu(tails.double()) * 3).float().expand(rows, -1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
     with pytest.raises(RuntimeError, match="scale must be"):
         kernels.rms_scale(h, scale[:100], eps)
-    with pytest.raises(RuntimeError, match="even width"):
-        kernels.silu_mul(gate_up[:, 1:])
+    with pytest.raises(RuntimeError, match="must be even"):
+        kernels.silu_mul(gate_up[:, 1:].contiguous())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.silu_mul(torch.zeros(4, 8).t())
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -21,7 +21,8 @@ BLOCKS = 1024  # 4 x 2 x 1024 x 12 KB = 96 MB
 def _mapping(ptr: int) -> dict[str, int]:
     """The kB fields of the /proc/self/smaps entry of the mapping that holds address `ptr`."""
     text = Path("/proc/self/smaps").read_text()
-    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) [^\n]*\n(.*?)(?=^[0-9a-f]+-[0-9a-f]+ |\Z)", text, re.S | re.M):
+    entry = r"^([0-9a-f]+)-([0-9a-f]+) [^\n]*\n(.*?)(?=^[0-9a-f]+-[0-9a-f]+ |\Z)"
+    for m in re.finditer(entry, text, re.S | re.M):
         if int(m.group(1), 16) <= ptr < int(m.group(2), 16):
             return {k: int(v) for k, v in re.findall(r"^(\w+):\s+(\d+) kB", m.group(3), re.M)}
     raise AssertionError(f"no mapping holds {ptr:#x}")
@@ -32,7 +33,7 @@ def _rss_kb() -> int:
 
 
 def test_a_cpu_cache_is_zeroed_writable_and_every_dtype_fits():
-    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
         spec = KVCacheSpec(2, 3, 64, 16, dtype)
         cache = KVCache(spec, 700)  # over 2 MB in every dtype: the mapped path
         assert cache.tensor.shape == (2, 2, 700, 16, 3, 64) and cache.tensor.dtype == dtype

@@ -193,8 +193,11 @@ def test_a_qwen_gguf_file_loads_and_matches_transformers_reading_the_same_file(t
     assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_a_quantised_gguf_file_runs_from_its_blocks_and_matches_transformers_reading_it(tmp_path, family):
+# up_proj: Q4_0 (kept as Q4_1, gate's type: gate and up run fused) or Q8_0 (two types: two matmuls); only
+# llama runs both, to keep the suite's time
+@pytest.mark.parametrize("family,up", [("llama", "Q4_0"), ("llama", "Q8_0"), ("qwen2", "Q4_0"),
+                                       ("qwen3", "Q4_0")])
+def test_a_quantised_gguf_file_runs_from_its_blocks_and_matches_transformers_reading_it(tmp_path, family, up):
     """Q4_0, Q4_1 and Q8_0 matrices (as llama.cpp's quantiser would write them) through the GGUF kernel:
     transformers' GGUF reader dequantises the same file; the engine must keep the blocks (fused q/k/v across
     Q4_0 and Q4_1, llama's permuted q/k rows, Qwen2's biases, Qwen3's q/k norms) and match it."""
@@ -209,7 +212,7 @@ def test_a_quantised_gguf_file_runs_from_its_blocks_and_matches_transformers_rea
     source = AutoModelForCausalLM.from_config(hf_config).eval()
     _randomise(source)
     quant = {"embed_tokens": "Q8_0", "lm_head": "Q8_0", "q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q4_1",
-             "o_proj": "Q8_0", "gate_proj": "Q4_1", "up_proj": "Q4_0", "down_proj": "Q4_1"}
+             "o_proj": "Q8_0", "gate_proj": "Q4_1", "up_proj": up, "down_proj": "Q4_1"}
     _write_gguf(source, tmp_path / "model.gguf", family, quant=quant)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32,
                                               attn_implementation="eager").eval()
@@ -218,6 +221,7 @@ def test_a_quantised_gguf_file_runs_from_its_blocks_and_matches_transformers_rea
         pytest.skip("the GGUF kernel could not be built here: the engine dequantised the blocks at load")
     kinds = {type(m).__name__ for layer in engine.model.layers for m in (layer.qkv, layer.o, layer.down)}
     assert kinds == {"QuantizedMatmul"}
+    assert all((layer.gate_up is not None) == (up == "Q4_0") for layer in engine.model.layers)
     assert_logits_match(engine, hf, [(11 * i) % 250 for i in range(40)], max_tokens=8)
     # a 30-token prompt: its prefill's matmuls take the kernel's 29-32-row path (the 40-token one, the
     # dequantised matrices)
