@@ -413,9 +413,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* g = gp + r * 2 * I;
       const float* u = g + I;
       float* o = op + r * I;
-#pragma omp simd
       // (exp's argument held under float32's overflow: -ffast-math divides by a reciprocal estimate, and
       // 1 / inf made NaN where silu is -0; past 80 the quotient is below 1e-33 either way)
+#pragma omp simd
       for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(std::min(-g[i], 80.f))) * u[i];
     }
   });

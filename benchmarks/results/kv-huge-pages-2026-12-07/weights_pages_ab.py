@@ -1,19 +1,16 @@
-"""Ad hoc (2026-12-07, as it ran but for huge_copy, inlined here from the first run's script): the GGUF kernel
-over gguf_compare's shapes with each layer's blocks on 4 KB pages and copied onto 2 MB pages, ABBA x 3.
+"""Ad hoc (2026-12-07, as it ran but for its copy onto 2 MB pages: it ran with the first run's own mmap
+helper, here the engine's `huge_page_zeros`, which advises the same mapping before first touch): the GGUF
+kernel over gguf_compare's shapes with each layer's blocks on 4 KB pages and copied onto 2 MB pages, ABBA x 3.
     PYTHONPATH=. python benchmarks/results/kv-huge-pages-2026-12-07/weights_pages_ab.py"""
-import mmap
-
 import torch
 
 from benchmarks.gguf_compare import SHAPES, shape_ms, weights
 from engine.kernels import gguf_kernels
+from engine.kv_cache import huge_page_zeros
 
 
 def huge_copy(t: torch.Tensor) -> torch.Tensor:
-    n = t.numel() * t.element_size()
-    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape).copy_(t)
+    return huge_page_zeros(tuple(t.shape), t.dtype).copy_(t)
 
 
 k = gguf_kernels()
