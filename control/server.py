@@ -188,10 +188,11 @@ class Server:
 
             # NOTE: with replicas, the workers, the replicas and the KV rendezvous store outlive this process:
             # when it dies, another replica takes the pools over (control.replica_set)
-            self.shared = await start_shared(c, self.port, lease_s)
+            self.shared, store = await start_shared(c, self.port, lease_s)
             kv_config = self.shared.kv_config
         else:
-            kv_config = await self._kv_config()
+            kv_config = self._kv_config()
+            store = self.rendezvous
         log(f"starting {c.num_workers} workers for {c.model} "
             f"({c.prefill_workers} prefill, {c.decode_workers} decode, {c.colocated_workers} colocated)...")
         self.registry = WorkerRegistry()
@@ -202,7 +203,7 @@ class Server:
                                  LivenessConfig(worker_timeout_s=c.worker_timeout),
                                  on_report=self.router.apply_report, on_heartbeat=self.router.on_heartbeat,
                                  cache_cursor=self.router.cache_cursor, max_workers=c.max_pool_size)
-        await self.pools.start()
+        await self._start_pools(store, kv_config)
         self._tasks.append(asyncio.ensure_future(self.pools.maintain()))
         self.admin = self.admin_servicer.admin = PoolAdmin(self.router, self.pools)
         self.admin_runner = self.admin_servicer
@@ -212,6 +213,24 @@ class Server:
             self.admin.drain_elsewhere = self.replicas.drain_worker
             log(f"starting {c.routers - 1} more router replica(s) on port {self.port}...")
             await self.replicas.start()
+
+    async def _start_pools(self, store: Any, kv_config: KVTransferConfig | None) -> None:
+        """The pools, while the rendezvous store's actor `store` (None: no store) starts: a store that did
+        not start fails the start, naming it, instead of leaving the workers waiting for it."""
+        if store is None or kv_config is None:
+            await self.pools.start()
+            return
+        from control.shared import store_up
+
+        assert kv_config.rendezvous_host is not None and kv_config.rendezvous_port is not None
+        up = asyncio.ensure_future(store_up(store, (kv_config.rendezvous_host, kv_config.rendezvous_port)))
+        pools = asyncio.ensure_future(self.pools.start())
+        await asyncio.wait({up, pools}, return_when=asyncio.FIRST_EXCEPTION)
+        if up.done() and up.exception() is not None:
+            pools.cancel()
+            with contextlib.suppress(BaseException):
+                await pools
+        await asyncio.gather(up, pools)
 
     def _on_launch(self, worker_id: str, actor: Any) -> None:
         """Every worker actor as soon as it is created: a stop must reach it even before it is ready."""
@@ -271,7 +290,7 @@ class Server:
                     "ending them")
         await self.stop()
 
-    async def _kv_config(self) -> KVTransferConfig | None:
+    def _kv_config(self) -> KVTransferConfig | None:
         """One router: the rendezvous store (if any) lives in an actor on this node, which ends with this
         process (the serve process never loads torch: the store is a torch.distributed TCPStore)."""
         store = None
@@ -279,7 +298,7 @@ class Server:
             from control.shared import start_rendezvous
 
             # NOTE: the store must be reachable from every worker's node: it binds this node's Ray address.
-            self.rendezvous, store = await start_rendezvous()
+            self.rendezvous, store = start_rendezvous()
             self.rendezvous_address = store
         return kv_transfer_config(self.config, store)
 

@@ -105,9 +105,10 @@ def refuse_taken_port(port: int) -> None:
                          f"stop it with `pdserve stop --port {port}`, or pass another --port")
 
 
-async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared:
+async def start_shared(config: ServeConfig, port: int, lease_s: float) -> tuple[Shared, Any]:
     """The lead's first step with replicas: the mailbox (refused when another deployment with replicas has
-    this port in this Ray cluster) and the rendezvous store, both detached and named."""
+    this port in this Ray cluster) and the rendezvous store, both detached and named; the store's actor
+    (None: no store), which may still be starting (`store_up`)."""
     import ray
 
     try:
@@ -116,20 +117,41 @@ async def start_shared(config: ServeConfig, port: int, lease_s: float) -> Shared
         raise ServeError(f"another pdserve deployment with router replicas serves port {port} in this Ray "
                          f"cluster ({e}); stop it with `pdserve stop --port {port}`, or pass another --port") from e
     shared = Shared(port, None, lease_s, failover=config.ray_address is not None)
-    store = None
+    actor, store = None, None
     if config.needs_rendezvous:
-        host = ray.remote(RendezvousHost).options(
-            name=shared.name("rendezvous"), namespace=MAILBOX_NAMESPACE, num_cpus=0, lifetime="detached",
-            max_restarts=-1, scheduling_strategy=this_node()).remote(_free_port(node_identity()[1]))
-        store = await host.address.remote()
-    return dataclasses.replace(shared, kv_config=kv_transfer_config(config, store))
+        actor, store = start_rendezvous(name=shared.name("rendezvous"))
+    return dataclasses.replace(shared, kv_config=kv_transfer_config(config, store)), actor
 
 
-async def start_rendezvous() -> tuple[Any, tuple[str, int]]:
-    """A lone router's rendezvous store: a `RendezvousHost` actor on this node, on a port of its choosing,
-    which ends with the job (not detached, never restarted: nothing outlives a lone router). Its handle and
-    the store's (host, port)."""
+def start_rendezvous(name: str | None = None) -> tuple[Any, tuple[str, int]]:
+    """The rendezvous store: a `RendezvousHost` actor on this node, on a port chosen here. `name`: detached
+    and named, restarted by Ray at the same address (a deployment with router replicas); None: a lone
+    router's, which ends with the job (never restarted: nothing outlives a lone router). Its handle and the
+    store's (host, port), at once.
+
+    NOTE: not waiting for the actor lets the workers start while it does (its process and torch's import
+    took 2.2 s of every deployment's start, before any worker was asked for): their store clients wait
+    for it to listen (`connect_store`), and `store_up` says it does."""
     import ray
 
-    host = ray.remote(RendezvousHost).options(num_cpus=0, max_restarts=0, scheduling_strategy=this_node()).remote(0)
-    return host, await host.address.remote()
+    host, port = node_identity()[1], _free_port(node_identity()[1])
+    options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": this_node(), "max_restarts": 0}
+    if name is not None:
+        options.update(name=name, namespace=MAILBOX_NAMESPACE, lifetime="detached", max_restarts=-1)
+    return ray.remote(RendezvousHost).options(**options).remote(port), (host, port)
+
+
+async def store_up(actor: Any, store: tuple[str, int]) -> None:
+    """Wait for the rendezvous store `start_rendezvous` started to listen at `store`; ServeError if it
+    could not (its port taken in the moment since it was chosen, its node out of memory)."""
+    import ray
+
+    try:
+        where = tuple(await actor.address.remote())
+    except ray.exceptions.RayError as e:
+        cause = str(e).strip().splitlines()[-1]  # (the store's own error, under Ray's account of the actor)
+        raise ServeError(f"the KV rendezvous store did not start at {store[0]}:{store[1]} ({cause}); "
+                         "start pdserve again (the port is chosen afresh)") from e
+    if where != store:
+        raise ServeError(f"the KV rendezvous store listens at {where}, not at {store}, where the workers "
+                         "look for it")

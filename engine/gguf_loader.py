@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.model_files import gguf_config, gguf_field
+from engine.model_files import gguf_config, gguf_field, gguf_reader
 from engine.quant import KINDS, BlockQuantized, Q4_0Overflow
 
 logger = logging.getLogger(__name__)
@@ -59,10 +59,9 @@ def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]
 
 def _read(path: str, keep_quantized: bool,
           ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockQuantized]]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)
     config = gguf_config(reader)
     permuted = gguf_field(reader, "general.architecture") == "llama"
     state: dict[str, torch.Tensor] = {}

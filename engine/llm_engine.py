@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -35,7 +36,7 @@ from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec_decode import verify
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, eos_token_id
 from protocol import FinishReason
 from protocol.messages import EngineLoad, LoadReport, StepStats
 
@@ -105,10 +106,10 @@ class LLMEngine(EngineBackend):
         self.model = LlamaForCausalLM(model_config, state, self.dtype, self.device, self.max_model_len,
                                       quantized)
         del state, quantized
-        self.tokenizer = Tokenizer(path)
+        self.path = path
         eos = set(model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        if (tokenizer_eos := eos_token_id(path)) is not None:
+            eos.add(tokenizer_eos)
         self.eos_token_ids = tuple(sorted(eos))
 
         self.kv_dtype = self.dtype if config.cache.dtype is None else pick_dtype(
@@ -128,6 +129,11 @@ class LLMEngine(EngineBackend):
         log(f"loaded {config.model} ({model_config.num_params / 1e6:.0f}M params, {self.dtype}{weights}, "
             f"{self.device}) with {num_blocks} KV blocks of {config.cache.block_size} tokens "
             f"({self.kv_dtype}) in {time.perf_counter() - t0:.1f}s")
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, loaded on first use: a worker never uses it (the router tokenizes)."""
+        return Tokenizer(self.path)
 
     def _num_blocks(self, cache: CacheConfig) -> int:
         fixed = cache.fixed_blocks(self.cache_spec.bytes_per_block)

@@ -31,6 +31,10 @@ KINDS = {"Q4_0": (18, 16), "Q4_1": (20, 16), "Q8_0": (34, 32)}
 # on SmolLM2's shapes, 2 threads (2026-12-07): the kernel was 1.2-1.4x oneDNN's float32 matmul at 16 rows,
 # 0.6x at 128 and 0.2-0.4x at 512, where dequantising for the call and F.linear matched oneDNN within 10%.
 WIDE_ROWS = 32
+# NOTE: a wide call dequantises at most this many bytes of float32 weight at once, a piece of the matrix's
+# rows at a time: an 8B model's fused [gate; up] is 470 MB as float32, its lm_head 2 GB. SmolLM2's largest
+# matrix (the tied lm_head, 113 MB) takes two pieces; the others one, as before.
+WIDE_PIECE_BYTES = 64 << 20
 
 
 class Q4_0Overflow(ValueError):
@@ -147,9 +151,22 @@ class QuantizedMatmul:
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > WIDE_ROWS:
-            return F.linear(x, self.weight.dequantize(self.kernels), self.bias)
+            return self._wide(x)
         out: torch.Tensor = self._run(x, *self._parts)
         return out if self.bias is None else out.add_(self.bias)
+
+    def _wide(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 matmul over the matrix dequantised `WIDE_PIECE_BYTES` at a time."""
+        n, k = self.weight.shape
+        step = max(1, WIDE_PIECE_BYTES // (4 * k))
+        if step >= n:
+            return F.linear(x, self.weight.dequantize(self.kernels), self.bias)
+        out = x.new_empty(x.shape[0], n)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            piece = self.weight.row_range(start, stop).dequantize(self.kernels)
+            out[:, start:stop] = F.linear(x, piece, None if self.bias is None else self.bias[start:stop])
+        return out
 
     def normed(self, h: torch.Tensor, eps: float) -> torch.Tensor:
         """`self(unit_rms(h, eps))` (`engine.models.llama.unit_rms`): the norm and `in_scale` in one pass."""

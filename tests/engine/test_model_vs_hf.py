@@ -353,6 +353,30 @@ def test_smollm2_from_its_gguf_blocks_matches_hf_on_the_dequantised_weights(smol
 
 
 @pytest.mark.slow
+def test_the_fast_gguf_reader_reads_every_field_and_tensor_as_the_stock_reader_does():
+    """`gguf_reader` overrides a private method of gguf's reader (its views over the file): a gguf release
+    that changes that method fails here, on SmolLM2's file (strings, string arrays, scalars, two tensor
+    types)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from engine.hub import smollm2_gguf_path
+    from engine.model_files import gguf_reader
+
+    path = smollm2_gguf_path()
+    stock, fast = GGUFReader(path), gguf_reader(path)
+    assert list(stock.fields) == list(fast.fields) and len(stock.fields) > 20
+    for name, want in stock.fields.items():
+        got = fast.fields[name]
+        assert (got.types, got.data, got.offset) == (want.types, want.data, want.offset), name
+        assert all(np.array_equal(a, b) for a, b in zip(got.parts, want.parts, strict=True)), name
+    assert fast.data_offset == stock.data_offset
+    assert [(t.name, t.tensor_type, t.data_offset) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset) for t in stock.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, stock.tensors, strict=True))
+
+
+@pytest.mark.slow
 def test_smollm2_greedy_32_tokens_equal_hf_generate(smollm2_llm, smollm2_hf):
     assert_greedy_equals_hf_generate(smollm2_llm, smollm2_hf, 32)
 

@@ -24,3 +24,20 @@ def rendezvous():
     server = RendezvousServer(HOST)
     yield server
     server.close()
+
+
+# NOTE: two Ray-transport variants wait out that transport's long test bounds (liveness 12 s: its actor calls
+# took over 6 s in a loaded CI run, kvx_harness.make_config), 12-15 s each; they run with `-m soak`. The
+# default suite keeps the same scenarios over torch links ([mp-torch], [torch]) and the Ray transport's
+# failures through its killed, stalled and slow-verdict variants.
+SOAK_VARIANTS = {
+    "test_paused_then_killed_receiver_fails_the_sender_within_the_deadline[ray-ray]",
+    "test_a_receiver_that_never_shows_up_fails_the_transfer_by_its_deadline[ray]",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # (before `-m` deselects by mark)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.name in SOAK_VARIANTS:
+            item.add_marker(pytest.mark.soak)

@@ -79,6 +79,12 @@ def running_server(client_key: str | None = None, **kwargs) -> Iterator[RunningS
     kwargs.setdefault("worker_threads", 1)
     kwargs.setdefault("metrics_port", 0)
     kwargs.setdefault("http_port", 0)
+    # NOTE: 512 blocks a worker (8,192 tokens), not a share of free memory (~1,450 here): a built-in worker
+    # faults its whole cache in at start (engine.kv_cache.huge_page_zeros), 1.7-3.7 s per GB on this VM over
+    # huge pages, and a suite starts over a hundred workers. Tests of the cache's own sizing pass theirs.
+    builtin = "vllm" not in {kwargs.get(k) for k in ("engine", "prefill_engine", "decode_engine")}
+    if builtin and "kv_cache_memory_bytes" not in kwargs:
+        kwargs.setdefault("num_blocks", 512)
     server = RunningServer(ServeConfig(**kwargs), client_key)
     try:
         yield server

@@ -313,7 +313,15 @@ def test_a_killed_rendezvous_store_comes_back_and_a_new_worker_links_through_it(
     while (restarted := _processes(b"ray::RendezvousHost")) in (set(), {pid}):
         assert time.monotonic() < deadline, "the rendezvous store was not restarted"
         time.sleep(0.2)
-    assert _ray_get(store.address.remote()) == address
+    # NOTE: the new process shows before Ray marks the actor alive; until then a call is refused as
+    # ActorUnavailableError ("restarting"). address() has no side effects, so asking again is safe.
+    while True:
+        try:
+            assert _ray_get(store.address.remote()) == address
+            break
+        except ray.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline, "the restarted rendezvous store never answered"
+            time.sleep(0.2)
 
     with _connect(server) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)

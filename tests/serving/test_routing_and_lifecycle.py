@@ -260,3 +260,39 @@ def test_graceful_shutdown_finishes_the_stream_in_flight_and_refuses_new_ones(ra
         for w in s.server.registry.workers.values():  # nothing left running
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(w.client.actor.ping.remote(), timeout=30)
+
+
+def test_a_rendezvous_store_that_cannot_listen_fails_the_start_naming_it_and_stops_the_workers(
+        ray_cluster, monkeypatch):
+    """The store starts beside the workers, on a port chosen before either: taken in the meantime (here, by
+    this test), the start fails naming the store and its address, and what it had started is stopped."""
+    import asyncio
+    import socket
+
+    import ray
+
+    import control.shared
+    from control.config import ServeConfig
+    from control.console import ServeError
+    from control.server import Server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(control.shared, "_free_port", lambda host: port)
+        server = Server(ServeConfig(model="tiny-random", prefill_workers=1, decode_workers=1, num_blocks=32,
+                                    port=0, metrics_port=None, http_port=None, worker_threads=1))
+
+        async def start_then_stop():
+            try:
+                await server.start()
+            finally:
+                await server.stop()
+
+        with pytest.raises(ServeError, match=f"the KV rendezvous store did not start at 127.0.0.1:{port}"):
+            asyncio.run(start_then_stop())
+    assert server._launched, "the workers started beside the store"
+    for actor in server._launched.values():
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.__ray_ready__.remote(), timeout=30)
