@@ -50,7 +50,9 @@ PARTS = {
     "engine": ("from engine.config import EngineConfig; from engine.llm_engine import LLMEngine; "
                "LLMEngine(EngineConfig(model='smollm2-135m', num_threads=1))",
                "from engine.config import EngineConfig; from engine.llm_engine import LLMEngine; "
-               "LLMEngine(EngineConfig(model='smollm2-135m', num_threads=1, num_blocks=512))"),
+               "from engine.config import CacheConfig; "
+               "LLMEngine(EngineConfig(model='smollm2-135m', num_threads=1, "
+               "cache=CacheConfig(num_blocks=512)))"),
 }
 LABELS = {"gguf_metadata": ("gguf.GGUFReader", "gguf_reader"), "eos_id": ("Tokenizer", "eos_token_id"),
           "kv_cache": ("4 KB pages", "2 MB pages"), "engine": ("default cache", "512 blocks")}

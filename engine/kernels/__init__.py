@@ -18,10 +18,12 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import sys
+import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,8 +63,32 @@ def _name(prefix: str = "pdserve_kernels", sources: list[Path] = SOURCES) -> str
         h.update(str(src.resolve()).encode())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
+    h.update(sysconfig.get_config_var("EXT_SUFFIX").encode())  # (the Python it links against)
     h.update(_cpu_flags().encode())
     return f"{prefix}_{h.hexdigest()[:12]}"
+
+
+def _import_built(name: str, build: Path) -> ModuleType | None:
+    """The module a finished build left in `build`, imported without torch's builder; None if there is none.
+
+    NOTE: the directory's name already hashes everything the module depends on (`_name`), so a module there
+    is this one. torch's builder would run ninja again, which took 0.3 s a kernel per worker start, and
+    rebuilt from scratch (20-30 s) whenever the ninja it found on PATH was another version than the last
+    one's (the venv's pip `ninja` and the system's hash commands differently): a process started without
+    the venv on PATH rebuilt, and the next one with it rebuilt again."""
+    so = build / f"{name}.so"
+    if not so.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:  # (a build cut short: rebuild)
+        log.warning("%s does not load (%s); building it again", so, e)
+        return None
+    return module
 
 
 @contextlib.contextmanager
@@ -104,8 +130,6 @@ def _load(prefix: str, sources: list[Path], what: str, takes: str, fallback: str
     if os.environ.get("PDSERVE_KERNELS", "1") == "0":
         log.info("pdserve kernels off (PDSERVE_KERNELS=0): %s", fallback)
         return None
-    from torch.utils import cpp_extension
-
     name = _name(prefix, sources)
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
@@ -116,6 +140,10 @@ def _load(prefix: str, sources: list[Path], what: str, takes: str, fallback: str
     t0 = time.monotonic()
     try:
         with _build_lock(build):
+            if (built := _import_built(name, build)) is not None:
+                return built
+            from torch.utils import cpp_extension
+
             mod = cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
                                      extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure falls back, with its cause named

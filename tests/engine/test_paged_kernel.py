@@ -164,6 +164,24 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     assert not (build / "lock").exists()
 
 
+def test_a_built_kernel_loads_without_the_builder_and_a_broken_one_is_built_again(tmp_path):
+    """A fresh process loads the module its build directory holds without torch's builder (which ran ninja
+    again, and rebuilt whenever another ninja was first on PATH): here the builder cannot even be imported.
+    A module that does not load (a build cut short) is not taken: the builder runs."""
+    from engine import kernels
+
+    code = ("import sys; sys.modules['torch.utils.cpp_extension'] = None\n"
+            "from engine.kernels import cpu_kernels, gguf_kernels\n"
+            "assert cpu_kernels() is not None and gguf_kernels() is not None")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    broken = tmp_path / "pdserve_kernels_x"
+    broken.mkdir()
+    (broken / "pdserve_kernels_x.so").write_bytes(b"not an ELF file")
+    assert kernels._import_built("pdserve_kernels_x", broken) is None
+    assert kernels._import_built("pdserve_kernels_y", broken) is None  # none there
+
+
 def test_engine_decodes_through_the_kernel_and_matches_the_gathering_path():
     """The same requests, one engine with the kernel and one with it off: the kernel is used (a decode
     step's metadata carries it) and the logits agree with the grouped gather + SDPA path."""
