@@ -134,7 +134,8 @@ def start_rendezvous(name: str | None = None) -> tuple[Any, tuple[str, int]]:
     for it to listen (`connect_store`), and `store_up` says it does."""
     import ray
 
-    host, port = node_identity()[1], _free_port(node_identity()[1])
+    host = node_identity()[1]
+    port = _free_port(host)
     options: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": this_node(), "max_restarts": 0}
     if name is not None:
         options.update(name=name, namespace=MAILBOX_NAMESPACE, lifetime="detached", max_restarts=-1)
