@@ -152,6 +152,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the prefill pool's engine (default --engine); it must match the decode pool's")
     p.add_argument("--decode-engine", choices=["builtin", "vllm"], default=None,
                    help="the decode pool's engine (default --engine)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks each worker splits its model over (vLLM engines: a process each, and a "
+                        "GPU each on a GPU machine: give the pools' resources as many)")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="the prefill pool's ranks per worker (default --tensor-parallel-size); the pools "
+                        "may differ")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="the decode pool's ranks per worker (default --tensor-parallel-size)")
     p.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
                    help="the built-in engine's weights from a GGUF file: gguf keeps its Q4_0/Q4_1/Q8_0 "
                         "matrices in their blocks (5-8.5 bits a weight, as in the file; decoded exactly in a "
@@ -248,7 +256,9 @@ def serve_config(args: argparse.Namespace):
         lower_class_chunk_tokens=args.lower_class_chunk_tokens,
         routers_spread=args.routers_spread, max_pool_size=args.max_pool_size, engine=args.engine,
         prefill_engine=args.prefill_engine, decode_engine=args.decode_engine, block_size=args.block_size,
-        autoscale=_autoscale(args))
+        tensor_parallel_size=args.tensor_parallel_size,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size, autoscale=_autoscale(args))
 
 
 def serve(args: argparse.Namespace) -> int:

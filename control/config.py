@@ -70,6 +70,11 @@ class ServeConfig:
     engine: str = "builtin"
     prefill_engine: str | None = None
     decode_engine: str | None = None
+    # ranks each worker's model is split over (vLLM's tensor parallelism), in every pool or per pool (None:
+    # `tensor_parallel_size`); the pools may differ: KV moves between them whole, every head
+    tensor_parallel_size: int = 1
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # decode/colocated step budget
     prefill_max_num_batched_tokens: int = 2048  # prefill pool step budget (fair order: the chunk cap below)
@@ -131,6 +136,7 @@ class ServeConfig:
             raise ValueError(f"--prefill-engine {self.pool_engine(PoolKind.PREFILL)} and --decode-engine "
                              f"{self.pool_engine(PoolKind.DECODE)}: their KV layouts differ (block_size and the "
                              "per-block layout), so KV cannot move between the pools; run both on one engine")
+        self._check_tensor_parallel()
         if self.speculative is not None and self.pool_engine(PoolKind.DECODE) == "vllm":
             raise ValueError("--speculative is the built-in engine's; it cannot be combined with --engine vllm")
         if self.block_size is not None and self.block_size < 1:
@@ -226,6 +232,36 @@ class ServeConfig:
             if self.http_port != 0 and self.http_port in (self.port, self.metrics_port):
                 raise ValueError(f"--http-port {self.http_port} is also --port or --metrics-port; give it its own")
 
+    def _check_tensor_parallel(self) -> None:
+        """Each pool's ranks: vLLM's only, and with as many GPUs as ranks where the pool asks for GPUs."""
+        flags = {PoolKind.PREFILL: ("--prefill-tensor-parallel-size", "prefill_resources",
+                                    "--prefill-resources"),
+                 PoolKind.DECODE: ("--decode-tensor-parallel-size", "decode_resources", "--decode-resources"),
+                 PoolKind.COLOCATED: ("--tensor-parallel-size", "decode_resources", "--decode-resources")}
+        for kind in self.pool_kinds():
+            flag, field_name, resources_flag = flags[kind]
+            tp = self.pool_tensor_parallel_size(kind)
+            if tp == self.tensor_parallel_size:
+                flag = "--tensor-parallel-size"  # (the pool's own flag is unset, or says the same)
+            if tp < 1:
+                raise ValueError(f"{flag} must be >= 1, got {tp}")
+            if tp > 1 and self.pool_engine(kind) != "vllm":
+                raise ValueError(f"{flag} {tp}: the built-in engine runs one device per worker; tensor "
+                                 "parallelism needs --engine vllm")
+            gpus = getattr(self, field_name).get("GPU")
+            if gpus is not None and gpus < tp:
+                raise ValueError(f"{resources_flag} gives each worker {gpus:g} GPU for {tp} tensor-parallel "
+                                 f"ranks: ask for {tp}")
+
+    def pool_kinds(self) -> list[PoolKind]:
+        return [PoolKind.COLOCATED] if self.colocated_workers else [PoolKind.PREFILL, PoolKind.DECODE]
+
+    def pool_tensor_parallel_size(self, kind: PoolKind) -> int:
+        """The ranks each of a pool's workers splits its model over."""
+        own = {PoolKind.PREFILL: self.prefill_tensor_parallel_size,
+               PoolKind.DECODE: self.decode_tensor_parallel_size}.get(kind)
+        return self.tensor_parallel_size if own is None else own
+
     @property
     def needs_rendezvous(self) -> bool:
         """Whether the workers' KV links meet at a rendezvous store (torch.distributed between pools)."""
@@ -238,8 +274,7 @@ class ServeConfig:
 
     def engines(self) -> set[str]:
         """The engines this deployment's pools run (colocated, or prefill and decode)."""
-        kinds = [PoolKind.COLOCATED] if self.colocated_workers else [PoolKind.PREFILL, PoolKind.DECODE]
-        return {self.pool_engine(k) for k in kinds}
+        return {self.pool_engine(k) for k in self.pool_kinds()}
 
     @property
     def kv_block_size(self) -> int:
@@ -251,11 +286,19 @@ class ServeConfig:
     def num_workers(self) -> int:
         return self.prefill_workers + self.decode_workers + self.colocated_workers
 
+    @property
+    def num_ranks(self) -> int:
+        """The model replicas' ranks over every pool: the processes that compute."""
+        sizes = {PoolKind.PREFILL: self.prefill_workers, PoolKind.DECODE: self.decode_workers,
+                 PoolKind.COLOCATED: self.colocated_workers}
+        return sum(sizes[k] * self.pool_tensor_parallel_size(k) for k in self.pool_kinds())
+
     def engine_config(self, budget: int, decodes: bool = True, chunk: int | None = None,
                       kind: PoolKind = PoolKind.DECODE) -> EngineConfig:
         """A pool's workers' engine; `decodes`: it runs decode steps (so speculation applies to it); `chunk`:
         its prompt tokens per step (default --prefill-chunk-tokens)."""
-        threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        # (per rank: a worker over ranks runs one process of its own for each)
+        threads = self.worker_threads or max(1, (os.cpu_count() or 1) // self.num_ranks)
         spec = (SpeculativeConfig(self.speculative, self.num_speculative_tokens, self.max_draft_tokens_per_step)
                 if decodes else SpeculativeConfig())
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
@@ -268,7 +311,8 @@ class ServeConfig:
                                                       if chunk is None else chunk,
                                                       lower_class_chunk_tokens=self.lower_class_chunk_tokens),
                             speculative=spec, backend=self.pool_engine(kind),
-                            quantization=None if self.pool_engine(kind) == "vllm" else self.quantization)
+                            quantization=None if self.pool_engine(kind) == "vllm" else self.quantization,
+                            tensor_parallel_size=self.pool_tensor_parallel_size(kind))
 
     def tls(self) -> TLSConfig | None:
         """The TLS files, checked to exist (ValueError naming the flag): at start, not at parse time, so a

@@ -339,6 +339,9 @@ class EngineConfig:
     # still the float32 one, read in 5-8.5 bits a weight); "none": dequantise them to `dtype` at load. None:
     # "gguf" for a .gguf file and the built-in smollm2-135m (shipped as one), "none" for an HF directory
     quantization: str | None = None
+    # ranks the model is split over (vLLM's tensor parallelism, its processes the worker's children); the
+    # built-in engine runs one device
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -367,6 +370,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.backend != "vllm":
+            raise ValueError(f"EngineConfig.tensor_parallel_size {self.tensor_parallel_size}: the built-in "
+                             "engine runs one device per worker; tensor parallelism needs --engine vllm")
 
 
 DTYPES = ("float32", "bfloat16", "float16")

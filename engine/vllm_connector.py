@@ -1,19 +1,24 @@
 """pdserve's KV connector for vLLM: vLLM's `KVConnectorBase_V1`, loaded by module path (no fork of vLLM).
 
-vLLM builds two instances of a connector, one beside its scheduler and one beside its model runner; in the
-in-process engine pdserve runs (`engine.vllm_engine`) both live on the engine loop's thread, and talk to the
-`VllmEngine` that owns them through this module's `BRIDGE` (one engine per process: vLLM's own global state
-allows no more). The connector moves no bytes over the network itself: pdserve's `kv_transfer` does, driven
-by the workers as with the built-in engine. What the connector gives them:
+vLLM builds two instances of a connector, one beside its scheduler and one beside each model runner. The
+scheduler's lives in the worker's process, on the engine loop's thread, and talks to the `VllmEngine` that
+owns it through this module's `BRIDGE` (one engine per process: vLLM's own global state allows no more). With
+one device the model runner is on that thread too; with tensor parallelism each rank's runs in a child
+process of vLLM's, with a `BRIDGE` of its own that holds only its caches, so everything a rank must act on
+travels in the step's connector metadata (`_Meta`), which vLLM hands every rank. The connector moves no bytes
+over the network itself: pdserve's `kv_transfer` does, driven by the workers as with the built-in engine.
+What the connector gives them:
 
 - **Layer-wise sends** (prefill): `save_kv_layer` runs after each layer's KV is written, and calls the step's
   layer hook (`EngineBackend.step`'s `layer_hook_for`), so the prefill worker ships each layer as vLLM
-  computes it. A prefill-only request's blocks outlive its vLLM request (`request_finished` holds them) until
-  the engine releases them, once its transfer is done (`finished_sending`).
+  computes it (one device; over ranks the engine reads the blocks back after the step, `engine.vllm_ranks`).
+  A prefill-only request's blocks outlive its vLLM request (`request_finished` holds them) until the engine
+  releases them, once its transfer is done (`finished_sending`, which every rank reports from the metadata).
 - **Loads** (decode): a request whose prompt's KV landed in the engine's staging cache reports those tokens
   as computed remotely (`get_num_new_matched_tokens`, asynchronous); once vLLM allocated its blocks
-  (`update_state_after_alloc`), the next forward's `start_load_kv` copies the staged blocks in and reports the
-  request ready (`finished_recving`).
+  (`update_state_after_alloc`), the staged blocks go into the step's metadata, every rank's `start_load_kv`
+  copies its own KV heads of them into its cache (`heads_of_rank`), and reports the request ready
+  (`finished_recving`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from engine.vllm_layout import VllmCpuLayout, heads_of_rank
 
 # what a request's `SamplingParams.extra_args["kv_transfer_params"]` asks of the connector
 SEND = "pdserve_send"  # prefill-only: hold the blocks after the request ends, until released
@@ -44,26 +52,43 @@ class Load:
     vllm_id: str  # vLLM's own id for the request (the engine maps it to pdserve's)
     block_ids: list[int]  # vLLM blocks, from the first block to load
     first_block: int  # the prompt block index `block_ids[0]` holds
+    # those blocks' KV, every KV head, in vLLM's byte order: [layers, 2, len(block_ids), block_size, kv_heads,
+    # head_dim] (`engine.vllm_layout`); set by the engine's `stage` when the metadata is built
+    kv: torch.Tensor | None = None
 
 
 @dataclass
 class Bridge:
-    """What the engine and its two connector instances share (all on the engine loop's thread)."""
+    """What the engine and the connector instances in its process share (all on the engine loop's thread)."""
 
-    kv_caches: dict[str, torch.Tensor] | None = None  # vLLM's per-layer caches, as registered
+    kv_caches: dict[str, torch.Tensor] | None = None  # this process's per-layer caches, as registered
+    layout: VllmCpuLayout | None = None  # and the pdserve-shaped view over them (this rank's KV heads)
     on_schedule: Callable[[Any], None] | None = None  # the engine sees each step's schedule, before the forward
     layer_hook: Callable[[int], None] | None = None  # this step's per-layer hook, set by `on_schedule`
-    load: Callable[[Load], None] | None = None  # the engine copies staged KV in
+    stage: Callable[[Load], torch.Tensor] | None = None  # the engine hands over a load's staged KV
     releases: set[str] = field(default_factory=set)  # vLLM ids whose held blocks may go
-    landed: set[str] = field(default_factory=set)  # vLLM ids whose KV was loaded this step
+    landed: set[str] = field(default_factory=set)  # vLLM ids whose KV this process loaded this step
 
 
 BRIDGE = Bridge()
 
 
 class _Meta(KVConnectorMetadata):  # type: ignore[misc]
-    def __init__(self, loads: dict[str, Load]) -> None:
+    def __init__(self, loads: dict[str, Load], releases: set[str]) -> None:
         self.loads = loads
+        self.releases = releases  # held blocks that may go: every rank reports them sent
+
+
+def _rank() -> tuple[int, int]:
+    state = parallel_state
+    return state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
+
+
+def my_layout() -> VllmCpuLayout:
+    assert BRIDGE.layout is not None, "vLLM registered no KV caches with the pdserve connector here"
+    return BRIDGE.layout
+
+
 
 
 class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -77,12 +102,18 @@ class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         BRIDGE.kv_caches = dict(kv_caches)
+        BRIDGE.layout = VllmCpuLayout.for_engine(kv_caches, self._vllm_config, self._block_size)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        if not meta.loads:
+            return
+        rank, tp_size = _rank()
+        cache = my_layout().blocks.tensor
         for vllm_id, load in meta.loads.items():
-            assert BRIDGE.load is not None, "a pdserve connector without its engine"
-            BRIDGE.load(load)
+            assert load.kv is not None, f"the pdserve connector's load of {vllm_id} carries no KV"
+            mine = load.kv[..., heads_of_rank(load.kv.shape[-2], tp_size, rank), :]
+            cache.index_copy_(2, torch.tensor(load.block_ids, dtype=torch.int64), mine)
             BRIDGE.landed.add(vllm_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -102,7 +133,7 @@ class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None  # the sender owns its sends; the blocks stay held until they are done
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, BRIDGE.releases = BRIDGE.releases, set()
+        sending = set(self._get_connector_metadata().releases)
         recving, BRIDGE.landed = BRIDGE.landed, set()
         return sending or None, recving or None
 
@@ -126,7 +157,11 @@ class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if BRIDGE.on_schedule is not None:
             BRIDGE.on_schedule(scheduler_output)
         loads, self._allocated = self._allocated, {}
-        return _Meta(loads)
+        for load in loads.values():
+            assert BRIDGE.stage is not None, "a pdserve connector without its engine"
+            load.kv = BRIDGE.stage(load)
+        releases, BRIDGE.releases = BRIDGE.releases, set()
+        return _Meta(loads, releases)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return bool((request.kv_transfer_params or {}).get(SEND)), None

@@ -20,6 +20,10 @@ KV transfer goes through `engine.vllm_connector` and pdserve's own `kv_transfer`
   vLLM allocates, the connector copies the staged blocks in before the forward, and vLLM computes the first
   token's KV and samples the second: nothing of the prompt is recomputed.
 
+Tensor parallelism (`EngineConfig.tensor_parallel_size`): vLLM's ranks run in child processes of the worker;
+the worker reads their KV through a mirror (`engine.vllm_ranks`), so a prefill over ranks ships after its last
+step instead of layer by layer, and everything else is as with one device.
+
 vLLM's KV cache events feed the router's prefix index (`engine.vllm_events`). What vLLM does not offer
 in-process is left out, said here: `pause` (backpressure) answers False, and a drain `hold`s a sequence by
 ending its vLLM request with its blocks kept; speculative decoding is vLLM's own business (not configured).
@@ -28,7 +32,7 @@ ending its vLLM request with its blocks kept; speculative decoding is vLLM's own
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.backend import EngineBackend, LayerHookFactory
@@ -39,7 +43,8 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.vllm_boot import eos_token_ids, import_vllm, start_vllm
 from engine.vllm_events import VllmCacheEvents
-from engine.vllm_layout import VllmCpuLayout, tokens_of
+from engine.vllm_layout import tokens_of
+from engine.vllm_ranks import RankMirror
 from engine.vllm_staging import StagingCache
 from protocol.messages import EngineLoad, LoadReport, StepStats
 
@@ -54,7 +59,7 @@ class VllmEngine(EngineBackend):
 
         self._bridge = vllm_connector.BRIDGE
         self._bridge.on_schedule = self._on_schedule
-        self._bridge.load = self._load
+        self._bridge.stage = self._stage
         self.llm = start_vllm(config, path)
         self._scheduler = self.llm.engine_core.engine_core.scheduler
         # vLLM's KV cache events (block stored / removed) feed the router's prefix index, as pdserve hashes
@@ -62,11 +67,16 @@ class VllmEngine(EngineBackend):
         self._cache_events = self._scheduler.kv_event_publisher = VllmCacheEvents(block_size)
 
         self.max_model_len = self.llm.model_config.max_model_len
-        assert self._bridge.kv_caches, "vLLM registered no KV caches with the pdserve connector"
-        # vLLM's memory in pdserve's shape, its bytes in vLLM's order: what the transport ships; `kv_of` reads
-        # it by position through `vllm_layout.tokens_of`
-        layout = VllmCpuLayout.for_engine(self._bridge.kv_caches, self.llm.vllm_config, block_size)
-        self.kv_cache, self.cache_spec = layout.blocks, layout.spec
+        self._ranks: RankMirror | None = None  # tensor parallelism: the ranks' KV, read into the worker
+        if config.tensor_parallel_size > 1:
+            self._ranks = RankMirror(self.llm, self.num_blocks + 1)
+            self.kv_cache, self.cache_spec = self._ranks.cache, self._ranks.spec
+        else:
+            # vLLM's memory in pdserve's shape, its bytes in vLLM's order: what the transport ships; `kv_of`
+            # reads it by position through `vllm_layout.tokens_of`
+            layout = self._bridge.layout
+            assert layout is not None, "vLLM registered no KV caches with the pdserve connector"
+            self.kv_cache, self.cache_spec = layout.blocks, layout.spec
         self.eos_token_ids = eos_token_ids(path)
         self.last_step: StepStats | None = None
         self._requests: dict[str, Request] = {}  # every unfinished request, by pdserve id
@@ -76,6 +86,7 @@ class VllmEngine(EngineBackend):
         self._held: set[str] = set()  # vLLM ids whose blocks the connector holds for a send
         self._schedule: SchedulerOutput | None = None  # the step in progress, as `_on_schedule` saw it
         self._layer_hook_for: LayerHookFactory | None = None
+        self._ranks_hook: Callable[[int], None] | None = None  # over ranks: the step's hook, run after it
         self._staging: StagingCache | None = None  # made on first use (decode workers)
         log(f"vLLM engine ready for {config.model} in {time.perf_counter() - t0:.1f}s: "
             f"{self.num_blocks} KV blocks of {block_size} tokens, {self.cache_spec.dtype}, {self.kv_cache.device}")
@@ -119,6 +130,8 @@ class VllmEngine(EngineBackend):
         self._held.add(vllm_id)
         self.llm.abort_request([vllm_id], internal=True)
         self._paused[request_id] = request
+        if self._ranks is not None:  # a drain's send reads the worker's mirror
+            self._ranks.read(request.block_ids)
         return True
 
     def kv_of(self, request_id: str, num_tokens: int, start: int = 0) -> Any:
@@ -128,6 +141,9 @@ class VllmEngine(EngineBackend):
         req = self._requests.get(request_id) or self._paused.get(request_id)
         if req is None or req.num_computed_tokens < num_tokens:
             return None
+        if self._ranks is not None:
+            size = self.cache_spec.block_size
+            self._ranks.read(req.block_ids[start // size:cdiv(num_tokens, size)])
         return tokens_of(self.kv_cache.tensor, req.block_ids, num_tokens, start)
 
     def enqueue(self, request: Request) -> None:
@@ -218,14 +234,16 @@ class VllmEngine(EngineBackend):
                   {"kv_transfer_params": {"pdserve_load": request.num_prompt_tokens}})
         return False
 
-    def _load(self, load: Any) -> None:
-        """The connector's load (before the forward): staged blocks into the vLLM blocks just allocated."""
+    def _stage(self, load: Any) -> Any:
+        """The connector's load, as vLLM allocated its blocks: the staged KV for the step's metadata (every
+        rank copies its heads of it in before the forward); the staging blocks go back."""
         rid = self._pdserve_ids[load.vllm_id]
         assert self._staging is not None
-        self._staging.load_into(rid, load.first_block, self.kv_cache.tensor, load.block_ids)
-        request = self._requests[rid]  # its prompt's KV is in vLLM's blocks now (a digest reads them there)
+        kv = self._staging.take(rid, load.first_block, len(load.block_ids))
+        request = self._requests[rid]  # its prompt's KV is in vLLM's blocks from this step on
         request.block_ids = list(self._scheduler.kv_cache_manager.get_block_ids(load.vllm_id)[0])
         request.num_computed_tokens = request.num_prompt_tokens
+        return kv
 
     def _release_staging(self, request_id: str) -> None:
         if self._staging is not None:
@@ -258,7 +276,10 @@ class VllmEngine(EngineBackend):
             chunks.append(ScheduledChunk(request, starts[vllm_id], n))
         self._schedule = SchedulerOutput(chunks)
         hook = self._layer_hook_for(self._schedule) if self._layer_hook_for is not None else None
-        self._bridge.layer_hook = hook
+        if self._ranks is None:
+            self._bridge.layer_hook = hook
+        else:  # the ranks compute in their own processes: the worker ships their KV after the step
+            self._ranks_hook = hook
 
     def step(self, layer_hook_for: LayerHookFactory | None = None) -> tuple[SchedulerOutput, list[Request]]:
         t0 = time.perf_counter()
@@ -268,6 +289,9 @@ class VllmEngine(EngineBackend):
         finally:
             self._bridge.layer_hook, self._layer_hook_for = None, None
         schedule = self._schedule or SchedulerOutput()
+        if self._ranks_hook is not None:
+            self._ship_from_ranks(schedule, self._ranks_hook)
+            self._ranks_hook = None
         for chunk in schedule.chunks:
             chunk.request.num_computed_tokens = chunk.end
         advanced = []
@@ -304,6 +328,15 @@ class VllmEngine(EngineBackend):
         if schedule.chunks:
             self.last_step = StepStats(seconds, sum(prompt), sum(1 for n in prompt if not n))
         return schedule, advanced
+
+    def _ship_from_ranks(self, schedule: SchedulerOutput, hook: Callable[[int], None]) -> None:
+        """Over ranks, after the step: the prompts it finished into the mirror, then every layer's hook."""
+        finished = [c.request.block_ids for c in schedule.chunks
+                    if c.request.prefill_only and c.end == c.request.num_prompt_tokens]
+        assert self._ranks is not None
+        self._ranks.read([b for blocks in finished for b in blocks])
+        for layer in range(self.cache_spec.num_layers):
+            hook(layer)
 
     # -- load and the prefix cache ----------------------------------------------------------------------
 

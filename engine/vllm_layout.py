@@ -84,6 +84,16 @@ class VllmCpuLayout:
         return cls(spec, KVCache.over(spec, view))
 
 
+def heads_of_rank(total_heads: int, tp_size: int, rank: int) -> slice:
+    """The KV heads tensor-parallel `rank` of `tp_size` holds, as vLLM splits them (`QKVParallelLinear`): an
+    equal share each, or one head on `tp_size // total_heads` ranks each when there are fewer heads than
+    ranks."""
+    count = max(1, total_heads // tp_size)
+    replicas = max(1, tp_size // total_heads)
+    first = rank // replicas * count
+    return slice(first, first + count)
+
+
 def to_pdserve(blocks: torch.Tensor) -> torch.Tensor:
     """Blocks in vLLM's byte order, [layers, 2, n, block_size, kv_heads, head_dim] (a gather from
     `VllmCpuLayout.blocks` or from a staging cache that received them), as pdserve's layout (a copy)."""

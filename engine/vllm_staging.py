@@ -4,12 +4,10 @@ vLLM allocates a request's blocks only when it schedules the request, but a deco
 destination blocks before the prompt is computed elsewhere. So a reservation is blocks of this cache, in
 pdserve's shape [layers, 2, blocks, block_size, kv_heads, head_dim], holding blocks in vLLM's byte order (as
 the sender read them from vLLM's cache, `engine.vllm_layout`); once vLLM has allocated the request's own
-blocks, `load_into` copies them across whole and the staging blocks go back.
+blocks, `take` hands them to the connector, which copies them across whole, and the staging blocks go back.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -56,12 +54,11 @@ class StagingCache:
         staged = self._staged.get(request_id)
         return None if staged is None else tokens_of(self.cache.tensor, staged, num_tokens, start)
 
-    def load_into(self, request_id: str, first_block: int, dst: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Copy the request's staged blocks from prompt block `first_block` on into `block_ids` of `dst` (vLLM's
-        cache, same shape and byte order), then release them all."""
-        staged = self._staged[request_id][first_block:first_block + len(block_ids)]
-        device = self.cache.device
-        src = torch.tensor(staged, dtype=torch.int64, device=device)
-        dst.index_copy_(2, torch.tensor(list(block_ids), dtype=torch.int64, device=device),
-                        self.cache.tensor.index_select(2, src))
+    def take(self, request_id: str, first_block: int, n: int) -> torch.Tensor:
+        """The request's `n` staged blocks from prompt block `first_block` on (a copy, [layers, 2, n,
+        block_size, kv_heads, head_dim], vLLM's byte order, for vLLM's cache); its blocks all go back."""
+        staged = self._staged[request_id][first_block:first_block + n]
+        index = torch.tensor(staged, dtype=torch.int64, device=self.cache.device)
+        kv = self.cache.tensor.index_select(2, index)
         self.release(request_id)
+        return kv

@@ -9,6 +9,7 @@ boot here) is shared by every test of the module.
 from __future__ import annotations
 
 import importlib.util
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -51,6 +52,31 @@ def test_mixed_pools_are_refused_naming_the_layout():
     assert config.kv_block_size == 128 and config.router_config().block_size == 128
     assert {s.engine.backend for s in config.pool_specs()} == {"vllm"}
     assert ServeConfig().kv_block_size == 16 and ServeConfig(block_size=32, engine="vllm").kv_block_size == 32
+
+
+def test_tensor_parallel_sizes_per_pool_and_their_refusals():
+    from control.cli import build_parser, serve_config
+    from protocol.kinds import PoolKind
+
+    config = serve_config(build_parser().parse_args(
+        ["serve", "--engine", "vllm", "-tp", "2", "--decode-tensor-parallel-size", "4",
+         "--worker-threads", "1"]))
+    sizes = {s.kind: s.engine.tensor_parallel_size for s in config.pool_specs()}
+    assert sizes == {PoolKind.PREFILL: 2, PoolKind.DECODE: 4}
+    assert config.num_ranks == 6
+    # threads are shared out by ranks, not workers: each rank is a process that computes
+    assert ServeConfig(engine="vllm", tensor_parallel_size=2).num_ranks == 4
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2: the built-in engine runs one device"):
+        ServeConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"--decode-tensor-parallel-size 2: the built-in engine"):
+        ServeConfig(decode_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"--prefill-tensor-parallel-size must be >= 1, got 0"):
+        ServeConfig(engine="vllm", prefill_tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"--decode-resources gives each worker 1 GPU for 2 tensor-parallel"):
+        ServeConfig(engine="vllm", decode_tensor_parallel_size=2, decode_resources={"GPU": 1})
+    ServeConfig(engine="vllm", decode_tensor_parallel_size=2, decode_resources={"GPU": 2})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2: the built-in engine"):
+        EngineConfig(model="tiny-random", tensor_parallel_size=2)
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed")
@@ -179,7 +205,7 @@ def test_a_cancelled_stream_frees_its_blocks_in_both_pools(server):
                for r in reports.values()), reports
 
 
-def _tiny_model(root, family: str):
+def _tiny_model(root, family: str, kv_heads: int = 2):
     """A tiny randomly initialised model of another family, built by transformers from a config (SmolLM2's
     tokenizer files beside it: the vocabulary sizes agree)."""
     import shutil
@@ -190,7 +216,8 @@ def _tiny_model(root, family: str):
     from engine.hub import resolve_model
 
     shape = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                 num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=64,
+                 max_position_embeddings=2048,
                  bos_token_id=1, eos_token_id=2)
     if family == "qwen3":
         config, cls = transformers.Qwen3Config(**shape), transformers.Qwen3ForCausalLM
@@ -203,7 +230,7 @@ def _tiny_model(root, family: str):
                                              num_experts_per_tok=2, decoder_sparse_step=1)
         cls = transformers.Qwen3MoeForCausalLM
     torch.manual_seed(0)
-    out = root / family
+    out = root / f"{family}-kv{kv_heads}"
     cls(config).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(resolve_model("smollm2-135m") / name, out / name)
@@ -226,6 +253,70 @@ def test_other_model_families_through_disaggregation(ray_cluster, tmp_path, fami
             assert responses[-1].timing.placement == "remote"
 
 
+def _rank_pids(pid: int) -> set[int]:
+    """The processes `pid` started (a worker's vLLM ranks past the first)."""
+    import psutil
+
+    return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "kv_heads"), [(2, 1, 2), (1, 2, 2), (2, 2, 1)],
+                         ids=["P2-D1", "P1-D2", "P2-D2-replicated-head"])
+def test_pools_of_different_tensor_parallel_sizes(ray_cluster, tmp_path, prefill_tp, decode_tp, kv_heads):
+    """vLLM workers split over tensor-parallel ranks (child processes of the worker), the two pools' sizes
+    different: greedy equal to transformers; the KV each decode worker holds (its ranks' heads, read back)
+    equal bit for bit to what the prefill worker's ranks computed (`--verify-kv-moves`); every block back. One
+    KV head over two ranks: vLLM keeps it on both, and both must be written. Then a SIGKILLed worker's ranks
+    go with it, and its replacement serves the same tokens."""
+    import os
+    import signal
+
+    from tests.chaos.harness import wait_recovered, worker_pids
+
+    path = _tiny_model(tmp_path, "qwen3", kv_heads)
+    prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[6], PROMPTS[8]]  # one block, three, six (past the horizon)
+    want = hf_greedy(path, prompts, 12)
+    with running_server(model=str(path), engine="vllm", prefill_workers=1, decode_workers=1,
+                        prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
+                        verify_kv_moves=True, metrics_port=None, http_port=None, worker_timeout=5.0) as s:
+
+        def serve_all() -> None:
+            checks = s.server.router.kv_checks
+            before = len(checks)
+            with ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(lambda p: s.generate(greedy_request(p, 12, ignore_eos=True)),
+                                        prompts))
+            for prompt, tokens, responses in zip(prompts, want, results):
+                assert token_ids(responses) == tokens, prompt
+                assert responses[-1].timing.placement == "remote"
+            new = list(checks)[before:]
+            assert len(new) == len(prompts) and all(c.equal and c.dst_digest is not None for c in new), new
+            reports = s.wait_idle()
+            assert all(r.load.free_blocks == r.load.total_blocks and r.load.reserved_blocks == 0
+                       for r in reports.values()), reports
+
+        serve_all()
+        kind = "prefill" if prefill_tp > 1 else "decode"
+        (victim, pid), = worker_pids(s, kind).items()
+        ranks = _rank_pids(pid)
+        assert len(ranks) >= max(prefill_tp, decode_tp), ranks  # (and vLLM's resource tracker)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while victim in worker_pids(s, kind):
+            assert time.monotonic() < deadline, f"the killed {victim} is still counted live"
+            time.sleep(0.5)
+        wait_recovered(s, {"prefill": 1, "decode": 1}, timeout=180)
+        import psutil
+
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in ranks):
+            assert time.monotonic() < deadline, f"ranks of the killed {victim} still run: {ranks}"
+            time.sleep(0.5)
+        serve_all()
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_draining_a_vllm_decode_worker_moves_its_live_kv(server):
@@ -233,15 +324,34 @@ def test_draining_a_vllm_decode_worker_moves_its_live_kv(server):
     request ends, read back in place, landed and loaded on the other decode worker): every stream goes on
     token for token, the moved KV equals its source bit for bit, nothing is recomputed. The pool shrinks to
     one decode worker."""
-    import threading
-    import time
-
     from engine.hub import resolve_model
+
+    _drain_moves_live_kv(server, resolve_model("smollm2-135m"))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_draining_a_tensor_parallel_decode_worker_moves_its_live_kv(ray_cluster, tmp_path):
+    """The same over decode workers of two ranks each: the held sequences' KV is read back from the source's
+    ranks and loaded into the destination's, each rank its own head."""
+    path = _tiny_model(tmp_path, "qwen3")
+    with running_server(model=str(path), engine="vllm", prefill_workers=1, decode_workers=2,
+                        decode_tensor_parallel_size=2, verify_kv_moves=True, metrics_port=None,
+                        http_port=None) as s:
+        from protos.pdserve.v1 import admin_pb2_grpc
+
+        s.admin = admin_pb2_grpc.AdminStub(s.channel)
+        _drain_moves_live_kv(s, path)
+
+
+def _drain_moves_live_kv(server, model_path) -> None:
+    import threading
+
     from protos.pdserve.v1 import admin_pb2 as admin
     from protos.pdserve.v1 import generation_pb2 as pb
 
     prompts, n = PROMPTS[:4], 64
-    want = hf_greedy(resolve_model("smollm2-135m"), prompts, n)
+    want = hf_greedy(model_path, prompts, n)
     results: dict[int, list] = {}
     started = threading.Barrier(len(prompts) + 1)
 
