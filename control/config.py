@@ -234,15 +234,12 @@ class ServeConfig:
 
     def _check_tensor_parallel(self) -> None:
         """Each pool's ranks: vLLM's only, and with as many GPUs as ranks where the pool asks for GPUs."""
-        flags = {PoolKind.PREFILL: ("--prefill-tensor-parallel-size", "prefill_resources",
-                                    "--prefill-resources"),
-                 PoolKind.DECODE: ("--decode-tensor-parallel-size", "decode_resources", "--decode-resources"),
-                 PoolKind.COLOCATED: ("--tensor-parallel-size", "decode_resources", "--decode-resources")}
+        flags = {PoolKind.PREFILL: ("prefill_resources", "--prefill-resources"),
+                 PoolKind.DECODE: ("decode_resources", "--decode-resources"),
+                 PoolKind.COLOCATED: ("decode_resources", "--decode-resources")}
         for kind in self.pool_kinds():
-            flag, field_name, resources_flag = flags[kind]
-            tp = self.pool_tensor_parallel_size(kind)
-            if tp == self.tensor_parallel_size:
-                flag = "--tensor-parallel-size"  # (the pool's own flag is unset, or says the same)
+            field_name, resources_flag = flags[kind]
+            tp, flag = self.pool_tensor_parallel_size(kind), self.tensor_parallel_flag(kind)
             if tp < 1:
                 raise ValueError(f"{flag} must be >= 1, got {tp}")
             if tp > 1 and self.pool_engine(kind) != "vllm":
@@ -255,6 +252,14 @@ class ServeConfig:
 
     def pool_kinds(self) -> list[PoolKind]:
         return [PoolKind.COLOCATED] if self.colocated_workers else [PoolKind.PREFILL, PoolKind.DECODE]
+
+    def tensor_parallel_flag(self, kind: PoolKind) -> str:
+        """The flag that set a pool's tensor-parallel size (for errors)."""
+        own = {PoolKind.PREFILL: self.prefill_tensor_parallel_size,
+               PoolKind.DECODE: self.decode_tensor_parallel_size}.get(kind)
+        if own is None or own == self.tensor_parallel_size:
+            return "--tensor-parallel-size"
+        return f"--{kind.value}-tensor-parallel-size"
 
     def pool_tensor_parallel_size(self, kind: PoolKind) -> int:
         """The ranks each of a pool's workers splits its model over."""

@@ -20,7 +20,7 @@ from control.doors import bind_grpc, grpc_door, http_server, metrics_endpoint, s
 from control.launcher import ray_launcher
 from engine.config import FP8_KV_DTYPES
 from engine.hub import gguf_source, resolve_model
-from engine.model_files import load_config, model_limits
+from engine.model_files import load_config, model_limits, tensor_parallel_refusal
 from engine.tokenizer import Tokenizer
 from protocol.kv_config import KVTransferConfig
 from protocol.messages import RouterId
@@ -92,6 +92,11 @@ class Server:
             context, vocab_size = model_limits(path, builtin="builtin" in c.engines())
         except ValueError as e:
             raise ServeError(f"--model {c.model}: {e}") from e
+        for kind in c.pool_kinds():  # vLLM refuses these in every worker, in a 50-line traceback each
+            tp = c.pool_tensor_parallel_size(kind)
+            why = tensor_parallel_refusal(path, tp) if tp > 1 else None
+            if why is not None:
+                raise ServeError(f"{c.tensor_parallel_flag(kind)} {tp}: --model {c.model}: {why}")
         if c.quantization == "gguf":  # (an HF directory: refused here, not in each worker in turn)
             try:
                 gguf_source(c.model, path, c.quantization)

@@ -29,6 +29,25 @@ def model_limits(path: Path, builtin: bool = False) -> tuple[int, int]:
     return int(d.get("max_position_embeddings", 2048)), int(d["vocab_size"])
 
 
+def tensor_parallel_refusal(path: Path, tp_size: int) -> str | None:
+    """Why the attention of the model at `path` (an HF directory) cannot split over `tp_size` ranks as vLLM
+    splits it (its query heads by the ranks; its KV heads by the ranks, or the ranks by its KV heads when
+    there are fewer), naming the sizes that can; None when it can."""
+    d = json.loads((path / "config.json").read_text())
+    d = d.get("text_config", d)
+    query = int(d["num_attention_heads"])
+    kv = int(d.get("num_key_value_heads") or query)
+
+    def splits(n: int) -> bool:
+        return query % n == 0 and (kv % n == 0 if n <= kv else n % kv == 0)
+
+    if splits(tp_size):
+        return None
+    sizes = ", ".join(str(n) for n in range(1, query + 1) if splits(n))
+    return (f"its {query} query heads and {kv} KV heads do not split over {tp_size} ranks "
+            f"(sizes that do: {sizes})")
+
+
 def gguf_reader(path: Path | str) -> Any:
     """`gguf.GGUFReader(path)`, with its views taken from a plain array over the file's memory map.
 

@@ -90,3 +90,31 @@ def test_quantization_gguf_over_an_hf_directory_stops_serve_before_any_door_or_w
                                          r"is an HF directory"):
         asyncio.run(server.start())
     assert server.grpc is None
+
+
+def test_a_model_whose_heads_do_not_split_over_the_ranks_stops_serve_before_any_door_or_worker(tmp_path):
+    """SmolLM2's 9 query and 3 KV heads split over 1, 3 or 9 ranks: `-tp 2` is refused at once, naming the
+    flag, the heads and the sizes that work (vLLM refuses it in every worker, a traceback each)."""
+    import asyncio
+    import json
+
+    from control.config import ServeConfig
+    from control.console import ServeError
+    from control.server import Server
+    from engine.hub import resolve_model
+    from engine.model_files import tensor_parallel_refusal
+
+    smollm2 = resolve_model("smollm2-135m")
+    assert tensor_parallel_refusal(smollm2, 3) is None
+    assert tensor_parallel_refusal(smollm2, 2) == ("its 9 query heads and 3 KV heads do not split over 2 "
+                                                   "ranks (sizes that do: 1, 3, 9)")
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2}))
+    # fewer KV heads than ranks: vLLM keeps each on several ranks, a whole number of them
+    assert [n for n in (1, 2, 3, 4, 8) if tensor_parallel_refusal(tmp_path, n) is None] == [1, 2, 4, 8]
+    server = Server(ServeConfig(model="smollm2-135m", engine="vllm", decode_tensor_parallel_size=2, port=0,
+                                metrics_port=None, http_port=None))
+    with pytest.raises(ServeError, match=r"--decode-tensor-parallel-size 2: --model smollm2-135m: its 9 "
+                                         r"query heads and 3 KV heads do not split over 2 ranks "
+                                         r"\(sizes that do: 1, 3, 9\)"):
+        asyncio.run(server.start())
+    assert server.grpc is None
