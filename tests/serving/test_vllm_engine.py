@@ -320,9 +320,9 @@ def test_pools_of_different_tensor_parallel_sizes(ray_cluster, tmp_path, prefill
 @needs_vllm
 @pytest.mark.slow
 def test_smollm2_over_three_ranks_in_each_pool(ray_cluster, reference):
-    """The real model split over tensor-parallel ranks (its 9 query and 3 KV heads split over 3, one KV head a
-    rank), 1P+1D of three ranks each: greedy equal to transformers on every prompt, each transfer's KV equal at
-    both ends, every block back."""
+    """The real model split over tensor-parallel ranks (its 9 query and 3 KV heads split over 3, one KV head
+    a rank), 1P+1D of three ranks each: greedy equal to transformers on every prompt, each transfer's KV equal
+    at both ends, every block back."""
     with running_server(model="smollm2-135m", engine="vllm", prefill_workers=1, decode_workers=1,
                         tensor_parallel_size=3, verify_kv_moves=True, metrics_port=None, http_port=None) as s:
         checks = s.server.router.kv_checks
@@ -331,7 +331,8 @@ def test_smollm2_over_three_ranks_in_each_pool(ray_cluster, reference):
                                     PROMPTS))
         for prompt, want, responses in zip(PROMPTS, reference, results):
             assert token_ids(responses) == want, prompt
-        assert len(checks) == len(PROMPTS) and all(c.equal and c.dst_digest is not None for c in checks), checks
+        assert len(checks) == len(PROMPTS), checks
+        assert all(c.equal and c.dst_digest is not None for c in checks), checks
         reports = s.wait_idle()
         assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
 
