@@ -28,6 +28,11 @@ LayerHook = Callable[[int], None]  # called after each layer's KV is written, wi
 LayerHookFactory = Callable[["SchedulerOutput"], LayerHook | None]
 
 
+class EngineDead(RuntimeError):
+    """The engine can never step again (a vLLM rank's process died): the worker ends, so that its supervisor
+    replaces it and its requests move, instead of failing every request placed on it from then on."""
+
+
 class EngineBackend(ABC):
     """One model replica with its paged KV cache and its scheduler, as a worker sees it."""
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from engine.backend import EngineBackend, LayerHook, LayerHookFactory
+from engine.backend import EngineBackend, EngineDead, LayerHook, LayerHookFactory
 from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerOutput
 from protocol.kinds import FinishReason
@@ -127,6 +127,8 @@ class EngineLoop:
                 continue
             try:
                 out, advanced = self.engine.step(self._hook_for)
+            except EngineDead:
+                raise  # fatal: the worker ends and is replaced (its requests move)
             except Exception:  # a failed step must not hang its requests: end them all with an error
                 logger.exception("engine step failed; failing every request in this engine")
                 self.on_step(self._fail_all())

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engine.backend import EngineBackend, LayerHookFactory
+from engine.backend import EngineBackend, EngineDead, LayerHookFactory
 from engine.config import EngineConfig, cdiv
 from engine.hub import log, resolve_model
 from engine.kv_cache import KVCache
@@ -68,7 +68,9 @@ class VllmEngine(EngineBackend):
 
         self.max_model_len = self.llm.model_config.max_model_len
         self._ranks: RankMirror | None = None  # tensor parallelism: the ranks' KV, read into the worker
+        self._dead = False  # a rank's process died (vLLM's executor says so from its monitor thread)
         if config.tensor_parallel_size > 1:
+            self._executor().register_failure_callback(self._on_executor_failed)
             self._ranks = RankMirror(self.llm, self.num_blocks + 1)
             self.kv_cache, self.cache_spec = self._ranks.cache, self._ranks.spec
         else:
@@ -256,8 +258,15 @@ class VllmEngine(EngineBackend):
 
     def has_scheduled_work(self) -> bool:
         # NOTE: vLLM's `has_requests`, not `has_unfinished_requests`: a finished send's held blocks are
-        # freed only by a step, which must run even with nothing to compute
-        return bool(self._scheduler.has_requests() or self._bridge.releases)
+        # freed only by a step, which must run even with nothing to compute. A dead executor's step raises
+        # `EngineDead` at once, so the worker ends before a request is placed on it
+        return bool(self._scheduler.has_requests() or self._bridge.releases or self._dead)
+
+    def _executor(self) -> Any:
+        return self.llm.engine_core.engine_core.model_executor
+
+    def _on_executor_failed(self) -> None:
+        self._dead = True
 
     def _on_schedule(self, out: Any) -> None:
         """vLLM's schedule for this step, as pdserve's (the connector calls it before the forward)."""
@@ -282,16 +291,22 @@ class VllmEngine(EngineBackend):
             self._ranks_hook = hook
 
     def step(self, layer_hook_for: LayerHookFactory | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        if self._dead:
+            raise EngineDead("vLLM's executor failed: a tensor-parallel rank's process died")
         t0 = time.perf_counter()
         self._schedule, self._layer_hook_for = None, layer_hook_for
         try:
             outputs = self.llm.step()
+            schedule = self._schedule or SchedulerOutput()
+            if self._ranks_hook is not None:
+                self._ship_from_ranks(schedule, self._ranks_hook)
+        except Exception as e:
+            if getattr(self._executor(), "is_failed", False):
+                raise EngineDead(f"vLLM's executor failed: a tensor-parallel rank's process died "
+                                 f"({e})") from e
+            raise
         finally:
-            self._bridge.layer_hook, self._layer_hook_for = None, None
-        schedule = self._schedule or SchedulerOutput()
-        if self._ranks_hook is not None:
-            self._ship_from_ranks(schedule, self._ranks_hook)
-            self._ranks_hook = None
+            self._bridge.layer_hook, self._layer_hook_for, self._ranks_hook = None, None, None
         for chunk in schedule.chunks:
             chunk.request.num_computed_tokens = chunk.end
         advanced = []

@@ -152,6 +152,56 @@ def test_an_engine_loop_that_dies_ends_its_process():
     assert proc.exitcode == 70
 
 
+def test_a_step_that_finds_its_engine_dead_ends_the_process_but_another_failed_step_does_not():
+    """A step raising `EngineDead` (vLLM: a rank's process died, every later step would fail) ends the
+    worker so it is replaced; any other failed step fails its requests and the loop steps on."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    outcomes = []
+    for error in ("EngineDead", "RuntimeError"):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_run_a_loop_whose_step_raises, args=(error, queue))
+        proc.start()
+        proc.join(120)
+        outcomes.append((proc.exitcode, queue.get(timeout=10) if not queue.empty() else None))
+    assert outcomes == [(70, None), (0, "stepped on after a failed step")], outcomes
+
+
+def _run_a_loop_whose_step_raises(error: str, queue) -> None:
+    import time
+
+    from engine.backend import EngineDead
+    from engine.engine_loop import EngineLoop
+    from engine.sampling_params import SamplingParams
+    from tests.engine.helpers import make_engine
+
+    engine = make_engine(num_blocks=8)
+    real_step, calls = engine.step, []
+
+    def step(hook=None):
+        calls.append(1)
+        if len(calls) == 1:
+            raise EngineDead("a rank died") if error == "EngineDead" else RuntimeError("one bad step")
+        return real_step(hook)
+
+    engine.step = step
+    outputs = []
+    loop = EngineLoop(engine, on_step=outputs.append)
+    loop.start()
+    loop.call(lambda: engine.enqueue(engine.make_request("a", [1, 2, 3], SamplingParams(max_tokens=2))))
+    deadline = time.monotonic() + 60
+    while not calls and time.monotonic() < deadline:  # the process ends here on EngineDead
+        time.sleep(0.01)
+    loop.call(lambda: engine.enqueue(engine.make_request("b", [1, 2, 3], SamplingParams(max_tokens=2))))
+    while time.monotonic() < deadline:
+        if any(d.request_id == "b" and d.finish_reason is not None for out in outputs for d in out.deltas):
+            queue.put("stepped on after a failed step")
+            break
+        time.sleep(0.01)
+    loop.shutdown()
+
+
 def _run_a_loop_whose_poll_raises() -> None:
     import time
 

@@ -253,13 +253,6 @@ def test_other_model_families_through_disaggregation(ray_cluster, tmp_path, fami
             assert responses[-1].timing.placement == "remote"
 
 
-def _rank_pids(pid: int) -> set[int]:
-    """The processes `pid` started (a worker's vLLM ranks past the first)."""
-    import psutil
-
-    return {c.pid for c in psutil.Process(pid).children(recursive=True)}
-
-
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "kv_heads"), [(2, 1, 2), (1, 2, 2), (2, 2, 1)],
@@ -268,8 +261,10 @@ def test_pools_of_different_tensor_parallel_sizes(ray_cluster, tmp_path, prefill
     """vLLM workers split over tensor-parallel ranks (child processes of the worker), the two pools' sizes
     different: greedy equal to transformers; the KV each decode worker holds (its ranks' heads, read back)
     equal bit for bit to what the prefill worker's ranks computed (`--verify-kv-moves`); every block back. One
-    KV head over two ranks: vLLM keeps it on both, and both must be written. Then a SIGKILLed worker's ranks
-    go with it, and its replacement serves the same tokens."""
+    KV head over two ranks: vLLM keeps it on both, and both must be written. Then, under 4 streams, the
+    tensor-parallel worker is SIGKILLed (its ranks go with it), and then one rank of its replacement (the
+    worker ends, its engine dead): every stream finishes with its undisturbed tokens, the pools come back and
+    serve as before."""
     import os
     import signal
 
@@ -299,22 +294,46 @@ def test_pools_of_different_tensor_parallel_sizes(ray_cluster, tmp_path, prefill
 
         serve_all()
         kind = "prefill" if prefill_tp > 1 else "decode"
-        (victim, pid), = worker_pids(s, kind).items()
-        ranks = _rank_pids(pid)
-        assert len(ranks) >= max(prefill_tp, decode_tp), ranks  # (and vLLM's resource tracker)
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while victim in worker_pids(s, kind):
-            assert time.monotonic() < deadline, f"the killed {victim} is still counted live"
-            time.sleep(0.5)
-        wait_recovered(s, {"prefill": 1, "decode": 1}, timeout=180)
-        import psutil
+        long = hf_greedy(path, prompts, 48)
+        for what in ("worker", "rank"):
+            (victim, pid), = worker_pids(s, kind).items()
+            ranks = _rank_pids(pid)
+            assert len(ranks) >= max(prefill_tp, decode_tp), ranks  # (and vLLM's resource tracker)
+            with ThreadPoolExecutor(4) as pool:  # under load: the streams in flight move and finish
+                calls = [pool.submit(s.generate, greedy_request(p, 48, ignore_eos=True)) for p in prompts]
+                time.sleep(1.0)
+                if what == "worker":
+                    os.kill(pid, signal.SIGKILL)
+                else:  # one rank: the worker's engine can never step again, so the worker ends
+                    import psutil
 
-        deadline = time.monotonic() + 30
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in ranks):
-            assert time.monotonic() < deadline, f"ranks of the killed {victim} still run: {ranks}"
-            time.sleep(0.5)
-        serve_all()
+                    rank = next(p for p in ranks if psutil.Process(p).name().endswith("_TP1"))
+                    os.kill(rank, signal.SIGKILL)
+                for prompt, tokens, call in zip(prompts, long, calls):
+                    assert token_ids(call.result()) == tokens, (what, prompt)
+            deadline = time.monotonic() + 60
+            while victim in worker_pids(s, kind):
+                assert time.monotonic() < deadline, f"{victim}, its {what} killed, is still counted live"
+                time.sleep(0.5)
+            wait_recovered(s, {"prefill": 1, "decode": 1}, timeout=180)
+            _wait_gone(ranks, f"ranks of {victim}, its {what} killed")
+            serve_all()
+
+
+def _rank_pids(pid: int) -> set[int]:
+    """The processes `pid` started (a worker's vLLM ranks past the first)."""
+    import psutil
+
+    return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+
+
+def _wait_gone(pids: set[int], what: str) -> None:
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, f"{what} still run: {pids}"
+        time.sleep(0.5)
 
 
 @needs_vllm
