@@ -246,7 +246,7 @@ class ServeConfig:
                 raise ValueError(f"{flag} {tp}: the built-in engine runs one device per worker; tensor "
                                  "parallelism needs --engine vllm")
             gpus = getattr(self, field_name).get("GPU")
-            if gpus is not None and gpus < tp:
+            if tp > 1 and gpus is not None and gpus < tp:  # (one rank may take a share of a GPU)
                 raise ValueError(f"{resources_flag} gives each worker {gpus:g} GPU for {tp} tensor-parallel "
                                  f"ranks: ask for {tp}")
 

@@ -23,7 +23,11 @@ What the connector gives them:
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import re
+import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +47,7 @@ SEND = "pdserve_send"  # prefill-only: hold the blocks after the request ends, u
 LOAD = "pdserve_load"  # this many prompt tokens' KV wait in the staging cache
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -84,6 +89,23 @@ def _rank() -> tuple[int, int]:
     return state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
 
 
+def _end_with_the_worker() -> None:
+    """This rank's process is SIGKILLed when the worker's ends (Linux's parent-death signal). vLLM's ranks
+    watch their parent themselves, but only while they run: a SIGSTOPped rank outlived its worker, stopped,
+    holding its memory. (The signal follows the thread that started the rank, the thread that built the
+    engine: a worker's main thread, which lives as long as the worker.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = multiprocessing.parent_process()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed for a vLLM rank's process")
+    if parent is not None and os.getppid() != parent.pid:  # the worker ended before the signal was set
+        os._exit(1)
+
+
 def my_layout() -> VllmCpuLayout:
     assert BRIDGE.layout is not None, "vLLM registered no KV caches with the pdserve connector here"
     return BRIDGE.layout
@@ -101,6 +123,8 @@ class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # -- worker side ------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if multiprocessing.parent_process() is not None:  # a tensor-parallel rank: a child of the worker
+            _end_with_the_worker()
         BRIDGE.kv_caches = dict(kv_caches)
         BRIDGE.layout = VllmCpuLayout.for_engine(kv_caches, self._vllm_config, self._block_size)
 

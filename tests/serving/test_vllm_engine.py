@@ -8,6 +8,7 @@ boot here) is shared by every test of the module.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,7 @@ def test_tensor_parallel_sizes_per_pool_and_their_refusals():
     with pytest.raises(ValueError, match=r"--decode-resources gives each worker 1 GPU for 2 tensor-parallel"):
         ServeConfig(engine="vllm", decode_tensor_parallel_size=2, decode_resources={"GPU": 1})
     ServeConfig(engine="vllm", decode_tensor_parallel_size=2, decode_resources={"GPU": 2})
+    ServeConfig(engine="vllm", decode_resources={"GPU": 0.25})  # one rank may share a GPU
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2: the built-in engine"):
         EngineConfig(model="tiny-random", tensor_parallel_size=2)
 
@@ -263,10 +265,13 @@ def test_pools_of_different_tensor_parallel_sizes(ray_cluster, tmp_path, prefill
     equal bit for bit to what the prefill worker's ranks computed (`--verify-kv-moves`); every block back. One
     KV head over two ranks: vLLM keeps it on both, and both must be written. Then, under 4 streams, the
     tensor-parallel worker is SIGKILLed (its ranks go with it), and then one rank of its replacement (the
-    worker ends, its engine dead): every stream finishes with its undisturbed tokens, the pools come back and
-    serve as before."""
+    worker ends, its engine dead), then one rank of the next is SIGSTOPped while it idles (its next step waits
+    for ever: after --worker-timeout without progress the worker is given up, and the stopped rank goes with
+    it): every stream finishes with its undisturbed tokens, the pools come back and serve as before."""
     import os
     import signal
+
+    import psutil
 
     from tests.chaos.harness import wait_recovered, worker_pids
 
@@ -275,7 +280,7 @@ def test_pools_of_different_tensor_parallel_sizes(ray_cluster, tmp_path, prefill
     want = hf_greedy(path, prompts, 12)
     with running_server(model=str(path), engine="vllm", prefill_workers=1, decode_workers=1,
                         prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
-                        verify_kv_moves=True, metrics_port=None, http_port=None, worker_timeout=5.0) as s:
+                        verify_kv_moves=True, metrics_port=None, http_port=None) as s:
 
         def serve_all() -> None:
             checks = s.server.router.kv_checks
@@ -295,19 +300,19 @@ def test_pools_of_different_tensor_parallel_sizes(ray_cluster, tmp_path, prefill
         serve_all()
         kind = "prefill" if prefill_tp > 1 else "decode"
         long = hf_greedy(path, prompts, 48)
-        for what in ("worker", "rank"):
+        for what in ("worker", "rank", "stalled rank"):
             (victim, pid), = worker_pids(s, kind).items()
             ranks = _rank_pids(pid)
             assert len(ranks) >= max(prefill_tp, decode_tp), ranks  # (and vLLM's resource tracker)
+            rank = next(p for p in ranks if psutil.Process(p).name().endswith("_TP1"))
+            if what == "stalled rank":  # idle: seen at its next step, which waits on the rank for ever
+                os.kill(rank, signal.SIGSTOP)
             with ThreadPoolExecutor(4) as pool:  # under load: the streams in flight move and finish
                 calls = [pool.submit(s.generate, greedy_request(p, 48, ignore_eos=True)) for p in prompts]
                 time.sleep(1.0)
                 if what == "worker":
                     os.kill(pid, signal.SIGKILL)
-                else:  # one rank: the worker's engine can never step again, so the worker ends
-                    import psutil
-
-                    rank = next(p for p in ranks if psutil.Process(p).name().endswith("_TP1"))
+                elif what == "rank":  # the worker's engine can never step again, so the worker ends
                     os.kill(rank, signal.SIGKILL)
                 for prompt, tokens, call in zip(prompts, long, calls):
                     assert token_ids(call.result()) == tokens, (what, prompt)
@@ -318,6 +323,50 @@ def test_pools_of_different_tensor_parallel_sizes(ray_cluster, tmp_path, prefill
             wait_recovered(s, {"prefill": 1, "decode": 1}, timeout=180)
             _wait_gone(ranks, f"ranks of {victim}, its {what} killed")
             serve_all()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_stopped_rank_does_not_outlive_its_killed_worker(tmp_path):
+    """A worker SIGKILLed while one of its ranks is SIGSTOPped: the rank goes too (its parent-death signal;
+    vLLM's own watch of its parent runs only while the rank runs: without the signal, tried, the rank stayed,
+    stopped, holding its memory)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    path = _tiny_model(tmp_path, "qwen3")
+    script = tmp_path / "worker.py"
+    script.write_text(f"""
+import time
+from engine.backend import create_engine
+from engine.config import CacheConfig, EngineConfig
+if __name__ == "__main__":
+    create_engine(EngineConfig(model={str(path)!r}, backend="vllm", tensor_parallel_size=2, num_threads=1,
+                               cache=CacheConfig(128, num_blocks=16)))
+    print("ready", flush=True)
+    time.sleep(300)
+""")
+    worker = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        for line in worker.stdout:  # (vLLM logs to stdout too; the worker ends by itself within 300 s)
+            if line.strip() == "ready":
+                break
+        rank = next(c.pid for c in psutil.Process(worker.pid).children(recursive=True)
+                    if c.name().endswith("_TP1"))
+        os.kill(rank, signal.SIGSTOP)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+        _wait_gone({rank}, "the stopped rank of a killed worker")
+    finally:
+        worker.kill()
+        for p in (rank,) if "rank" in locals() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
 
 
 def _rank_pids(pid: int) -> set[int]:
