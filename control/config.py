@@ -253,18 +253,20 @@ class ServeConfig:
     def pool_kinds(self) -> list[PoolKind]:
         return [PoolKind.COLOCATED] if self.colocated_workers else [PoolKind.PREFILL, PoolKind.DECODE]
 
+    def _own_tensor_parallel_size(self, kind: PoolKind) -> int | None:
+        return {PoolKind.PREFILL: self.prefill_tensor_parallel_size,
+                PoolKind.DECODE: self.decode_tensor_parallel_size}.get(kind)
+
     def tensor_parallel_flag(self, kind: PoolKind) -> str:
         """The flag that set a pool's tensor-parallel size (for errors)."""
-        own = {PoolKind.PREFILL: self.prefill_tensor_parallel_size,
-               PoolKind.DECODE: self.decode_tensor_parallel_size}.get(kind)
+        own = self._own_tensor_parallel_size(kind)
         if own is None or own == self.tensor_parallel_size:
             return "--tensor-parallel-size"
         return f"--{kind.value}-tensor-parallel-size"
 
     def pool_tensor_parallel_size(self, kind: PoolKind) -> int:
         """The ranks each of a pool's workers splits its model over."""
-        own = {PoolKind.PREFILL: self.prefill_tensor_parallel_size,
-               PoolKind.DECODE: self.decode_tensor_parallel_size}.get(kind)
+        own = self._own_tensor_parallel_size(kind)
         return self.tensor_parallel_size if own is None else own
 
     @property

@@ -85,8 +85,9 @@ class _Meta(KVConnectorMetadata):  # type: ignore[misc]
 
 
 def _rank() -> tuple[int, int]:
-    state = parallel_state
-    return state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
+    """(This process's tensor-parallel rank, the number of ranks): (0, 1) with one device."""
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
 
 
 def _end_with_the_worker() -> None:
@@ -109,8 +110,6 @@ def _end_with_the_worker() -> None:
 def my_layout() -> VllmCpuLayout:
     assert BRIDGE.layout is not None, "vLLM registered no KV caches with the pdserve connector here"
     return BRIDGE.layout
-
-
 
 
 class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]

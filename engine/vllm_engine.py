@@ -238,7 +238,8 @@ class VllmEngine(EngineBackend):
 
     def _stage(self, load: Any) -> Any:
         """The connector's load, as vLLM allocated its blocks: the staged KV for the step's metadata (every
-        rank copies its heads of it in before the forward); the staging blocks go back."""
+        rank copies its heads of it in during the step, before the request's first forward); the staging
+        blocks go back."""
         rid = self._pdserve_ids[load.vllm_id]
         assert self._staging is not None
         kv = self._staging.take(rid, load.first_block, len(load.block_ids))
