@@ -387,20 +387,23 @@ def _wait_gone(pids: set[int], what: str) -> None:
 
 @needs_vllm
 @pytest.mark.slow
-def test_smollm2_over_three_ranks_in_each_pool(ray_cluster, reference):
+def test_smollm2_over_three_ranks_in_each_pool(ray_cluster):
     """The real model split over tensor-parallel ranks (its 9 query and 3 KV heads split over 3, one KV head
     a rank), 1P+1D of three ranks each: greedy equal to transformers on every prompt, each transfer's KV equal
-    at both ends, every block back."""
+    at both ends, every block back. (48 tokens a stream: six rank processes share two cores here, and a
+    sequence that ends before the router's check leaves no KV to digest.)"""
+    from engine.hub import resolve_model
+
+    want = hf_greedy(resolve_model("smollm2-135m"), PROMPTS, 48)
     with running_server(model="smollm2-135m", engine="vllm", prefill_workers=1, decode_workers=1,
                         tensor_parallel_size=3, verify_kv_moves=True, metrics_port=None, http_port=None) as s:
         checks = s.server.router.kv_checks
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda p: s.generate(greedy_request(p, MAX_TOKENS, ignore_eos=True)),
-                                    PROMPTS))
-        for prompt, want, responses in zip(PROMPTS, reference, results):
-            assert token_ids(responses) == want, prompt
+            results = list(pool.map(lambda p: s.generate(greedy_request(p, 48, ignore_eos=True)), PROMPTS))
+        for prompt, tokens, responses in zip(PROMPTS, want, results):
+            assert token_ids(responses) == tokens, prompt
         assert len(checks) == len(PROMPTS), checks
-        assert all(c.equal and c.dst_digest is not None for c in checks), checks
+        assert all(c.equal and c.dst_digest is not None for c in checks), [c for c in checks if not c.equal]
         reports = s.wait_idle()
         assert all(r.load.free_blocks == r.load.total_blocks for r in reports.values()), reports
 
