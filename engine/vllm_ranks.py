@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.vllm_layout import heads_of_rank
+from engine.vllm_layout import heads_of_rank, heads_per_rank
 
 
 class RankMirror:
@@ -34,8 +34,7 @@ class RankMirror:
         self.tp_size = len(specs)
         first = specs[0]
         heads = llm.model_config.get_total_num_kv_heads()
-        share = heads_of_rank(heads, self.tp_size, 0)
-        if any(s != first for s in specs) or first.num_kv_heads != share.stop - share.start:
+        if any(s != first for s in specs) or first.num_kv_heads != heads_per_rank(heads, self.tp_size):
             raise NotImplementedError(f"vLLM's ranks hold KV caches {specs}, not {heads} KV heads split "
                                       f"{self.tp_size} ways as the pdserve connector expects")
         self.spec = KVCacheSpec(first.num_layers, heads, first.head_dim, first.block_size, first.dtype)
